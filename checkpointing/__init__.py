@@ -1,0 +1,44 @@
+"""checkpointing: sharded, asynchronous, verified checkpoints for PyTorch training.
+
+    from checkpointing import CheckpointManager
+    with CheckpointManager("/nvme/ckpt/run1", keep_local=2) as mgr:
+        start = (mgr.restore(state) or -1) + 1
+        for step in range(start, steps):
+            train_step()
+            if step % 100 == 0:
+                mgr.save(step, state)   # returns after a memory copy; durable in the background
+"""
+
+from .codecs import Codec, PickleCodec
+from .errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ManifestError,
+    StateError,
+)
+from .manager import CheckpointManager, SaveHandle
+from .metrics import SaveStats
+from .stateful import RNGState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointManager",
+    "SaveHandle",
+    "SaveStats",
+    "RNGState",
+    "Codec",
+    "PickleCodec",
+    "CheckpointError",
+    "CheckpointConfigError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "ManifestError",
+    "StateError",
+]

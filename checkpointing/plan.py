@@ -1,0 +1,63 @@
+"""Where each chunk of each tensor goes in the pack file and in the staging pool (pure).
+
+The pack file is the staging pool's image: a chunk at pack offset `o` is staged at pool offset
+`o % pool_bytes`. With a pool at least as large as the data this is the identity; with a smaller
+budget the pool is a ring, and no chunk straddles its end (the cursor skips to the next ring
+boundary instead, leaving unreferenced padding in the pack).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+CHUNK_ALIGN = 64  # start of every chunk: cache-line aligned views on read
+POOL_ALIGN = 4096  # pool size and ring boundaries: O_DIRECT block size
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    leaf: int  # index into the flattened leaves
+    src_offset: int  # byte offset inside the leaf
+    length: int
+    pack_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPlan:
+    placements: tuple[Placement, ...]  # in pack order: eager leaves first, then deferred ones
+    eager_placements: int  # how many leading placements save() copies before returning
+    pack_bytes: int  # end of the last chunk
+    pool_bytes: int
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(p.length for p in self.placements)
+
+
+def plan_pack(leaf_nbytes: list[int], deferred: list[bool], *, chunk_bytes: int, budget: int | None) -> PackPlan:
+    """Place every leaf's bytes, split into chunks of at most `chunk_bytes`."""
+    order = [i for i, d in enumerate(deferred) if not d] + [i for i, d in enumerate(deferred) if d]
+    total = sum(round_up(n, CHUNK_ALIGN) for n in leaf_nbytes)
+    pool = round_up(max(total, 1), POOL_ALIGN)
+    if budget is not None and budget < pool:
+        pool = max(POOL_ALIGN, budget // POOL_ALIGN * POOL_ALIGN)
+    chunk = min(chunk_bytes, pool)
+    placements = []
+    n_eager = 0
+    cursor = 0
+    for leaf in order:
+        done = 0
+        while done < leaf_nbytes[leaf]:
+            length = min(chunk, leaf_nbytes[leaf] - done)
+            cursor = round_up(cursor, CHUNK_ALIGN)
+            if cursor % pool + length > pool:
+                cursor = round_up(cursor, pool)
+            placements.append(Placement(leaf, done, length, cursor))
+            n_eager += not deferred[leaf]
+            cursor += length
+            done += length
+    return PackPlan(tuple(placements), n_eager, cursor, pool)

@@ -1,0 +1,118 @@
+"""The staging pool: page-aligned host memory allocated once and reused across saves.
+
+CPU tensors are copied with a single-threaded memmove that releases the GIL (it must not compete
+with the training step's intra-op threads). CUDA tensors are copied with non-blocking copies on a
+side stream into pinned memory; an event per chunk orders the writer after the copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from typing import Any
+
+import torch
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy). Keep `t` alive."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class StagingPool:
+    """A byte buffer of `capacity` bytes; grows only when a larger plan needs it."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.pinned = False
+        self.allocations = 0
+        self._mmap: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+        self.view: memoryview = memoryview(b"")
+        self.address = 0
+
+    def ensure(self, nbytes: int, *, pinned: bool) -> None:
+        if nbytes <= self.capacity and pinned == self.pinned:
+            return
+        self.release()
+        self._mmap = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self._mmap)
+        self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.address = self._tensor.data_ptr()
+        if pinned:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, nbytes, 0)
+            if int(err) != 0:
+                self.release()
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+        self.capacity = nbytes
+        self.pinned = pinned
+        self.allocations += 1
+
+    def tensor(self, offset: int, length: int) -> torch.Tensor:
+        assert self._tensor is not None
+        return self._tensor[offset : offset + length]
+
+    def release(self) -> None:
+        if self._mmap is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+        self._tensor = None
+        self.view.release()
+        self.view = memoryview(b"")
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still exported (a reader kept one); the GC will free it
+            pass
+        self._mmap = None
+        self.capacity = 0
+        self.address = 0
+
+
+class Copier:
+    """Copies byte ranges of source tensors into the pool; `ready(i)` blocks until copy i landed."""
+
+    def __init__(self, pool: StagingPool, sources: list[torch.Tensor], start_event: Any = None) -> None:
+        self.pool = pool
+        self.sources = [_flat_bytes(t) for t in sources]
+        self.events: dict[int, Any] = {}
+        self.stream = None
+        if any(t.is_cuda for t in sources):
+            self.stream = torch.cuda.Stream()
+            if start_event is not None:
+                self.stream.wait_event(start_event)
+
+    def copy(self, i: int, leaf: int, src_offset: int, pool_offset: int, length: int) -> None:
+        src = self.sources[leaf]
+        if src.is_cuda:
+            with torch.cuda.stream(self.stream):
+                self.pool.tensor(pool_offset, length).copy_(src[src_offset : src_offset + length], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.events[i] = event
+        else:
+            ctypes.memmove(self.pool.address + pool_offset, src.data_ptr() + src_offset, length)
+
+    def ready(self, i: int) -> None:
+        event = self.events.pop(i, None)
+        if event is not None:
+            event.synchronize()
+
+    def last_event(self) -> Any:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view when contiguous, else a contiguous copy)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
