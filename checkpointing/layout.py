@@ -30,7 +30,7 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_DIR.match(name)
+    m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -57,7 +57,7 @@ def check_relpath(path: object, *, what: str = "path") -> str:
         raise ManifestError(f"{what} {path!r} is not a non-empty string of at most 1024 chars")
     parts = path.split("/")
     for part in parts:
-        if part in ("", ".", "..") or not _SEGMENT.match(part):
+        if part in ("", ".", "..") or not _SEGMENT.fullmatch(part):
             raise ManifestError(
                 f"{what} {path!r} is unsafe: segments must match {_SEGMENT.pattern} "
                 "(no absolute paths, '..', or empty segments)"

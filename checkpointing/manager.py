@@ -9,11 +9,13 @@ optimizer.step() until the snapshot no longer reads live parameters or optimizer
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -112,6 +114,7 @@ class CheckpointManager:
         self._thread = threading.Thread(target=self._io_loop, name="ckpt-io", daemon=True)
         self._thread.start()
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ public API
 
@@ -134,10 +137,8 @@ class CheckpointManager:
             )
         flat = flatten_state(state, codecs=self.options.codecs, eager=eager if eager is not None else self.options.snapshot == "eager")
         plan = self._plan_for(flat)
-        cuda = any(leaf.tensor.is_cuda for leaf in flat.leaves)
-        self._pool.ensure(plan.pool_bytes, pinned=cuda)
         start_event = None
-        if cuda:
+        if any(leaf.tensor.is_cuda for leaf in flat.leaves):
             start_event = torch.cuda.Event()
             start_event.record(torch.cuda.current_stream())
         job = SaveJob(step, flat, plan, t0, wall, wait_prev_s, start_event=start_event)
@@ -277,11 +278,21 @@ class CheckpointManager:
             except BaseException as exc:  # reported at the next save()/wait()
                 job.error = exc
             job.release_waiters()
-            if job.error is None:
-                catalog.apply_retention(self.storage, self.options.keep_local, protect=job.step)
-            self._finish(job)
+            try:
+                if job.error is None:
+                    catalog.apply_retention(self.storage, self.options.keep_local, protect=job.step)
+            except Exception as exc:  # retention is retried after the next commit; never stop the thread
+                log.warning("checkpointing: retention after step %d failed: %s", job.step, exc)
+            finally:
+                self._finish(job)
 
     def _finish(self, job: SaveJob) -> None:
+        try:
+            self._record(job)
+        finally:
+            job.done.set()
+
+    def _record(self, job: SaveJob) -> None:
         with job.lock:  # the guard may still be adding its wait
             ok = job.error is None
             end = job.t_committed if ok else time.perf_counter()
@@ -304,7 +315,19 @@ class CheckpointManager:
         except OSError as exc:
             log.warning("checkpointing: could not append metrics to %s: %s", self.directory, exc)
         log_save(stats, str(self.directory))
-        job.done.set()
+
+
+_LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_saves_at_exit() -> None:
+    """A save issued just before the interpreter exits still becomes durable."""
+    for mgr in list(_LIVE):
+        try:
+            mgr.close()
+        except Exception as exc:  # noqa: BLE001 - exiting: report, do not raise
+            log.error("checkpointing: at exit: %s", exc)
 
 
 def _check_single_rank(process_group: Any) -> None:

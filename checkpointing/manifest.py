@@ -160,13 +160,20 @@ def _field(obj: dict, name: str, where: str) -> Any:
 def decode_commit(data: bytes, where: str) -> CommitMarker:
     obj = _load_json(data, where)
     digest = _field(obj, "manifest_digest", where)
-    if not isinstance(digest, str) or not _MANIFEST_DIGEST.match(digest):
+    if not isinstance(digest, str) or not _MANIFEST_DIGEST.fullmatch(digest):
         raise ManifestError(f"{where}: manifest_digest {digest!r:.80} is not 'sha256:<64 hex>'")
     return CommitMarker(
         step=_int(_field(obj, "step", where), "step", where),
         manifest=check_relpath(_field(obj, "manifest", where), what=f"{where}: manifest"),
         manifest_digest=digest,
     )
+
+
+def check_tree(tree: Any, n_tensors: int, where: str) -> None:
+    """Validate a tree exactly as decode_manifest will: what a save writes, a restore can read."""
+    _check_node(tree, n_tensors, where, 0)
+    if "dict" not in tree:
+        raise ManifestError(f"{where}: the tree root must be a dict node")
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
@@ -178,9 +185,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         raise ManifestError(f"{where}: tensors must be a list")
     tensors = tuple(_decode_tensor(t, f"{where} tensors[{i}]") for i, t in enumerate(raw_tensors))
     tree = _field(obj, "tree", where)
-    _check_node(tree, len(tensors), where + " tree", 0)
-    if "dict" not in tree:
-        raise ManifestError(f"{where}: the tree root must be a dict node")
+    check_tree(tree, len(tensors), where + " tree")
     return Manifest(
         step=_int(_field(obj, "step", where), "step", where),
         tree=tree,
@@ -197,8 +202,8 @@ def _decode_tensor(obj: Any, where: str) -> TensorEntry:
         raise ManifestError(f"{where}: key must be a string")
     where = f"{where} ({key!r:.120})"
     dtype = _field(obj, "dtype", where)
-    if dtype not in BY_NAME:
-        dtype_from_name(dtype)  # raises ManifestError with the list of known names
+    if not isinstance(dtype, str) or dtype not in BY_NAME:
+        raise ManifestError(f"{where}: unknown dtype {dtype!r:.40} (known: {', '.join(BY_NAME)})")
     size = itemsize(BY_NAME[dtype])
     shape = _ints(_field(obj, "shape", where), "shape", where)
     raw_shards = _field(obj, "shards", where)
@@ -234,7 +239,7 @@ def _decode_chunk(obj: Any, where: str) -> ChunkRef:
     if not isinstance(obj, list) or len(obj) != 4:
         raise ManifestError(f"{where} must be [file, offset, length, digest]")
     file, offset, length, digest = obj
-    if not isinstance(digest, str) or not _DIGEST.match(digest):
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         raise ManifestError(f"{where}: digest {digest!r:.80} is not '{CHUNK_DIGEST}:<32 hex>'")
     return ChunkRef(
         check_relpath(file, what=f"{where}: file"),
@@ -267,7 +272,8 @@ def _check_node(node: Any, n_tensors: int, where: str, depth: int) -> None:
         for i, item in enumerate(items):
             _check_node(item, n_tensors, f"{where}/{i}", depth + 1)
     elif "stateful" in node:
-        if set(node) != {"stateful", "class"} or not isinstance(node["class"], str) or "dict" not in node["stateful"]:
+        inner = node.get("stateful")
+        if set(node) != {"stateful", "class"} or not isinstance(node["class"], str) or not isinstance(inner, dict) or "dict" not in inner:
             raise ManifestError(f"{where}: malformed stateful node")
         _check_node(node["stateful"], n_tensors, where, depth + 1)
     elif "codec" in node:
@@ -279,8 +285,8 @@ def _check_node(node: Any, n_tensors: int, where: str, depth: int) -> None:
             _int(v, "tensor index", where)
             if v >= n_tensors:
                 raise ManifestError(f"{where}: tensor index {v} out of range (manifest has {n_tensors} tensors)")
-        elif kind == "value" and not (v is None or isinstance(v, (bool, int, float, str))):
-            raise ManifestError(f"{where}: value must be null, bool, number or string")
+        elif kind == "value" and not (v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v))):
+            raise ManifestError(f"{where}: value must be null, bool, integer, finite float or string")
         elif kind == "float" and v not in ("nan", "inf", "-inf"):
             raise ManifestError(f"{where}: float must be 'nan', 'inf' or '-inf'")
         elif kind == "bytes" and not isinstance(v, str):

@@ -41,11 +41,15 @@ class PackPlan:
 def plan_pack(leaf_nbytes: list[int], deferred: list[bool], *, chunk_bytes: int, budget: int | None) -> PackPlan:
     """Place every leaf's bytes, split into chunks of at most `chunk_bytes`."""
     order = [i for i, d in enumerate(deferred) if not d] + [i for i, d in enumerate(deferred) if d]
-    total = sum(round_up(n, CHUNK_ALIGN) for n in leaf_nbytes)
-    pool = round_up(max(total, 1), POOL_ALIGN)
-    if budget is not None and budget < pool:
-        pool = max(POOL_ALIGN, budget // POOL_ALIGN * POOL_ALIGN)
-    chunk = min(chunk_bytes, pool)
+    unbounded = _place(leaf_nbytes, deferred, order, chunk_bytes, pool=None)
+    pool = round_up(max(unbounded.pack_bytes, 1), POOL_ALIGN)
+    if budget is None or budget >= pool:
+        return dataclasses.replace(unbounded, pool_bytes=pool)
+    pool = max(POOL_ALIGN, budget // POOL_ALIGN * POOL_ALIGN)
+    return _place(leaf_nbytes, deferred, order, min(chunk_bytes, pool), pool=pool)
+
+
+def _place(leaf_nbytes: list[int], deferred: list[bool], order: list[int], chunk: int, pool: int | None) -> PackPlan:
     placements = []
     n_eager = 0
     cursor = 0
@@ -54,10 +58,10 @@ def plan_pack(leaf_nbytes: list[int], deferred: list[bool], *, chunk_bytes: int,
         while done < leaf_nbytes[leaf]:
             length = min(chunk, leaf_nbytes[leaf] - done)
             cursor = round_up(cursor, CHUNK_ALIGN)
-            if cursor % pool + length > pool:
+            if pool is not None and cursor % pool + length > pool:
                 cursor = round_up(cursor, pool)
             placements.append(Placement(leaf, done, length, cursor))
             n_eager += not deferred[leaf]
             cursor += length
             done += length
-    return PackPlan(tuple(placements), n_eager, cursor, pool)
+    return PackPlan(tuple(placements), n_eager, cursor, pool or 0)

@@ -38,7 +38,9 @@ class StagingPool:
         if nbytes <= self.capacity and pinned == self.pinned:
             return
         self.release()
-        self._mmap = mmap.mmap(-1, nbytes)
+        # MAP_POPULATE pre-faults every page now, once, instead of inside the first copy
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap = mmap.mmap(-1, nbytes, flags=flags)
         self.view = memoryview(self._mmap)
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.address = self._tensor.data_ptr()
@@ -80,8 +82,9 @@ class Copier:
         self.sources = [_flat_bytes(t) for t in sources]
         self.events: dict[int, Any] = {}
         self.stream = None
-        if any(t.is_cuda for t in sources):
-            self.stream = torch.cuda.Stream()
+        devices = {t.device for t in sources if t.is_cuda}
+        if devices:
+            self.stream = torch.cuda.Stream(device=min(devices, key=str))
             if start_event is not None:
                 self.stream.wait_event(start_event)
 

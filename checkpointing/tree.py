@@ -23,9 +23,11 @@ import numpy as np
 import torch
 
 from .codecs import Codec, find_codec
-from .errors import StateError
+from .errors import ManifestError, StateError
+from .manifest import check_tree
 
 NUMPY_KINDS = frozenset("biufc")
+MAX_INT_BITS = 4096  # far below CPython's int <-> str conversion limit
 
 
 @dataclasses.dataclass
@@ -76,6 +78,10 @@ def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), e
         raise StateError(f"state must be a dict of name -> value, got {type(state).__name__}")
     walker = _Walker(codecs, eager)
     tree = walker.visit_mapping(state, ())
+    try:  # what save writes, restore must be able to read: the decoder's own checks, now
+        check_tree(tree, len(walker.leaves), "state")
+    except ManifestError as exc:
+        raise StateError(f"{exc}: flatten that part of the state or encode it with a codec") from None
     return FlatState(tree, walker.leaves)
 
 
@@ -94,6 +100,8 @@ class _Walker:
                     f"state key {k!r} at {join_key(path) or '<root>'} is a {type(k).__name__}: "
                     "dict keys must be str or int"
                 )
+            if isinstance(k, int) and k.bit_length() > MAX_INT_BITS:
+                raise StateError(f"state key at {join_key(path) or '<root>'} is an integer of {k.bit_length()} bits: use a smaller key")
             items.append([k, self.visit(v, path + (k,), deferred)])
         return {"dict": items}
 
@@ -102,7 +110,17 @@ class _Walker:
             return {"tensor": self.add_tensor(obj, path, deferred)}
         if isinstance(obj, np.ndarray):
             return {"ndarray": self.add_ndarray(obj, path)}
-        if obj is None or isinstance(obj, (bool, int, str)):
+        if obj is None or isinstance(obj, bool):
+            return {"value": obj}
+        if isinstance(obj, int):
+            if obj.bit_length() > MAX_INT_BITS:
+                raise StateError(f"state[{join_key(path)!r}] is an integer of {obj.bit_length()} bits: store it as a string or bytes")
+            return {"value": int(obj)}
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise StateError(f"state[{join_key(path)!r}] is a string that is not valid UTF-8 ({exc.reason}): store it as bytes") from None
             return {"value": obj}
         if isinstance(obj, float):
             return encode_float(obj)

@@ -71,6 +71,8 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     storage.makedirs(layout.step_dir(job.step))
     stream = storage.open_stream(pack_path)
     try:
+        # on this thread, so a first (or grown) allocation overlaps the training step
+        pool.ensure(plan.pool_bytes, pinned=any(leaf.tensor.is_cuda for leaf in job.flat.leaves))
         copier = Copier(pool, [leaf.tensor for leaf in job.flat.leaves], job.start_event)
         align = stream.alignment
         digests: list[str] = [""] * len(placements)

@@ -75,10 +75,16 @@ class LocalStorage:
         self._sync_dir(target.parent)
 
     def get(self, path: str) -> bytes:
-        return self._abs(path).read_bytes()
+        try:
+            return self._abs(path).read_bytes()
+        except (NotADirectoryError, IsADirectoryError):
+            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
-        fd = os.open(self._abs(path), os.O_RDONLY)
+        try:
+            fd = os.open(self._abs(path), os.O_RDONLY)
+        except NotADirectoryError:
+            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
         try:
             done = 0
             while done < len(buf):
@@ -90,7 +96,10 @@ class LocalStorage:
             os.close(fd)
 
     def size(self, path: str) -> int:
-        return self._abs(path).stat().st_size
+        try:
+            return self._abs(path).stat().st_size
+        except NotADirectoryError:
+            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
 
     def list(self, prefix: str = "") -> list[str]:
         try:
@@ -107,7 +116,7 @@ class LocalStorage:
                 shutil.rmtree(target)
             else:
                 target.unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return
         self._sync_dir(target.parent)
 

@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""checkpointing demo: asynchronous checkpoints, a hard crash, and a verified resume.
+
+What it does (about 15-30 s on 2 CPU cores):
+
+1. Run 1 trains a small MLP (~3.1 M parameters, ~38 MB of model + AdamW state) on synthetic
+   data in a *child process*, saving an asynchronous checkpoint every few steps. Right after one
+   save() returns (while that save is still being written in the background) the child kills its
+   own process group with SIGKILL: no atexit, no flush, no clean shutdown.
+2. Run 2 (this process, a fresh model and optimizer) restores the newest *committed* step and
+   trains to the end. The interrupted save has no COMMIT marker and is invisible to restore.
+3. It prints the steps on disk, the restored step, the losses around the resume point (the
+   replayed steps reproduce the crashed run's losses: data, dropout RNG, optimizer and LR
+   schedule all come back) and a stall table built from metrics.jsonl / mgr.stats().
+
+Usage:  python examples/demo.py [--dir ./demo-run/ckpt] [--steps 60] [--every 5] [--kill-after 30]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    import checkpointing  # noqa: F401
+    from checkpointing import CheckpointManager
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from checkpointing import CheckpointManager
+from checkpointing import RNGState
+
+import torch
+import torch.nn as nn
+
+# ----------------------------------------------------------------------------- the training job
+D_IN, HIDDEN, DEPTH, BATCH = 512, 1024, 2, 256
+KEEP_LOCAL = 3
+
+
+def make_model() -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(D_IN, HIDDEN), nn.GELU()]
+    for _ in range(DEPTH):
+        layers += [nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Dropout(0.1)]
+    layers += [nn.Linear(HIDDEN, D_IN)]
+    return nn.Sequential(*layers)
+
+
+class Teacher:
+    """A fixed random function to regress onto; batch `s` depends only on `s` (replayable)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.w1 = torch.randn(D_IN, 256, generator=g) / math.sqrt(D_IN)
+        self.w2 = torch.randn(256, D_IN, generator=g) / math.sqrt(256)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100_000 + step)
+        x = torch.randn(BATCH, D_IN, generator=g)
+        return x, torch.tanh(x @ self.w1) @ self.w2
+
+
+def build_state(total_steps: int) -> dict:
+    torch.manual_seed(0)
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    warmup = 10
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim,
+        lambda s: min(1.0, (s + 1) / warmup)
+        * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
+    )
+    # Everything the job needs to continue exactly where it left off.
+    return {"model": model, "optim": optim, "sched": sched, "rng": RNGState()}
+
+
+def train(mgr: CheckpointManager, state: dict, first: int, last: int, every: int, emit,
+          kill_after: int | None = None) -> None:
+    model, optim, sched = state["model"], state["optim"], state["sched"]
+    teacher = Teacher()
+    model.train()
+    for step in range(first, last + 1):
+        t0 = time.perf_counter()
+        x, y = teacher.batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()  # with snapshot="async" this is where a pending snapshot copy is guarded
+        sched.step()
+        t1 = time.perf_counter()
+        ev = {"ev": "step", "step": step, "loss": loss.item(), "step_s": t1 - t0}
+        if step % every == 0:
+            mgr.save(step, state)  # returns once the loop may go on; writing continues behind
+            ev["save_call_s"] = time.perf_counter() - t1
+        emit(ev)
+        if kill_after is not None and step == kill_after:
+            # Crash hard while the save just issued is (most likely) still being written.
+            emit({"ev": "kill", "step": step})
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- run 1 (the child)
+def child_main(args: argparse.Namespace) -> None:
+    def emit(ev: dict) -> None:
+        sys.stdout.write(json.dumps(ev) + "\n")
+        sys.stdout.flush()
+
+    state = build_state(args.steps)
+    mgr = CheckpointManager(args.dir, keep_local=KEEP_LOCAL, snapshot="async")
+    emit({"ev": "start", "pid": os.getpid()})
+    train(mgr, state, 1, args.steps, args.every, emit, kill_after=args.kill_after)
+    mgr.close()  # not reached when --kill-after <= --steps
+
+
+# ----------------------------------------------------------------------------- the parent
+def wipe(path: Path) -> None:
+    if not path.exists():
+        return
+    if path.is_dir():
+        entries = list(path.iterdir())
+        looks_like_ckpt = not entries or any(
+            e.name.startswith("step-") or e.name == "metrics.jsonl" for e in entries)
+        if looks_like_ckpt and path.resolve() not in (Path.cwd().resolve(), Path.home().resolve()):
+            shutil.rmtree(path)
+            return
+    sys.exit(f"refusing to wipe {path}: it does not look like a checkpoint directory")
+
+
+def disk_listing(path: Path) -> list[tuple[str, bool]]:
+    out = []
+    if path.is_dir():
+        for d in sorted(path.iterdir()):
+            if d.is_dir() and d.name.startswith("step-"):
+                out.append((d.name, (d / "COMMIT").exists()))
+    return out
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    f = path / "metrics.jsonl"
+    if f.exists():
+        for line in f.read_text().splitlines():
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a torn last line after the crash
+                    pass
+    return rows
+
+
+def num(d: dict, k: str) -> float:
+    v = d.get(k)
+    return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+def ms(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v * 1e3:,.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="./demo-run/ckpt", help="checkpoint directory (wiped first)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--every", type=int, default=5, help="save every N steps")
+    ap.add_argument("--kill-after", type=int, default=None,
+                    help="run 1 SIGKILLs itself right after this step's save (default: ~half way)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.kill_after is None:
+        args.kill_after = max(args.every, (args.steps // 2) // args.every * args.every)
+    if args.child:
+        return child_main(args)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 112)
+    ckpt = Path(args.dir)
+    wipe(ckpt)
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    n_params = sum(p.numel() for p in make_model().parameters())
+    con.rule("[bold]checkpointing demo")
+    con.print(f"model: MLP {D_IN}-{HIDDEN}x{DEPTH}-{D_IN}, {n_params / 1e6:.2f} M params, "
+              f"~{n_params * 4 * 3 / 1e6:.0f} MB of model + AdamW state; {args.steps} steps, "
+              f"async save every {args.every} steps into {ckpt} (keep_local={KEEP_LOCAL})")
+
+    # --- run 1: a child process that crashes itself ------------------------------------------
+    con.print(f"\n[bold]run 1[/]: child process, will SIGKILL itself right after save({args.kill_after}) returns")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dir", str(ckpt),
+           "--steps", str(args.steps), "--every", str(args.every),
+           "--kill-after", str(args.kill_after)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    run1: dict[int, dict] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            con.print(f"  [dim]child: {line.rstrip()}[/]")
+            continue
+        if ev["ev"] == "step":
+            run1[ev["step"]] = ev
+            if "save_call_s" in ev:
+                con.print(f"  step {ev['step']:3d}  loss {ev['loss']:.5f}  "
+                          f"save({ev['step']}) returned after {ev['save_call_s'] * 1e3:.1f} ms")
+        elif ev["ev"] == "kill":
+            con.print(f"  step {ev['step']:3d}  [red]os.killpg(SIGKILL)[/] while save({ev['step']}) may still be writing")
+    rc = proc.wait()
+    if rc == -signal.SIGKILL:
+        con.print(f"[red]run 1 died[/]: child pid {proc.pid} was killed by SIGKILL (exit status {rc}) "
+                  f"after step {max(run1, default=0)}")
+    else:
+        sys.exit(f"run 1 was expected to die by SIGKILL, but exited with status {rc}")
+    n_metrics_run1 = len(read_metrics(ckpt))
+
+    con.print("\non disk after the crash:")
+    for name, committed in disk_listing(ckpt):
+        tag = "[green]COMMIT[/]" if committed else "[yellow]no COMMIT: incomplete, ignored by restore[/]"
+        con.print(f"  {name}  {tag}")
+
+    # --- run 2: fresh model in this process, restore, finish ---------------------------------
+    con.print("\n[bold]run 2[/]: fresh process state, new model/optimizer, restore, train to the end")
+    state = build_state(args.steps)
+    run2: dict[int, dict] = {}
+
+    def emit2(ev: dict) -> None:
+        if ev["ev"] == "step":
+            run2[ev["step"]] = ev
+            if "save_call_s" in ev:
+                con.print(f"  step {ev['step']:3d}  loss {ev['loss']:.5f}  "
+                          f"save({ev['step']}) returned after {ev['save_call_s'] * 1e3:.1f} ms")
+
+    with CheckpointManager(ckpt, keep_local=KEEP_LOCAL, snapshot="async") as mgr:
+        steps_before = mgr.steps()
+        con.print(f"  mgr.steps()   -> {steps_before}")
+        t0 = time.perf_counter()
+        restored = mgr.restore(state)
+        con.print(f"  mgr.restore() -> [bold]{restored}[/]  ({(time.perf_counter() - t0) * 1e3:.0f} ms, "
+                  f"every chunk verified)")
+        train(mgr, state, (restored or 0) + 1, args.steps, args.every, emit2)
+        mgr.wait()
+        stats2 = [s.as_dict() for s in mgr.stats()]
+        steps_after = mgr.steps()
+    con.print(f"  mgr.steps() at the end -> {steps_after}")
+
+    # --- losses around the resume point -------------------------------------------------------
+    r = restored or 0
+    lt = Table(title=f"loss around the resume point (restored step {r})", title_justify="left")
+    for c in ("step", "run 1 (crashed)", "run 2 (resumed)", "run2 - run1"):
+        lt.add_column(c, justify="right")
+    for s in range(max(1, r - 2), min(args.steps, max(r, args.kill_after) + 3) + 1):
+        a, b = run1.get(s), run2.get(s)
+        diff = "-" if a is None or b is None else f"{b['loss'] - a['loss']:+.2e}"
+        lt.add_row(str(s), f"{a['loss']:.5f}" if a else "-", f"{b['loss']:.5f}" if b else "-", diff)
+    con.print()
+    con.print(lt)
+    replayed = [s for s in run2 if s in run1]
+    if replayed:
+        worst = max(abs(run2[s]["loss"] - run1[s]["loss"]) for s in replayed)
+        con.print(f"steps {min(replayed)}..{max(replayed)} were trained twice (lost in the crash, "
+                  f"replayed after restore): max |loss difference| = {worst:.2e}")
+
+    # --- stall table -------------------------------------------------------------------------
+    metrics = read_metrics(ckpt)
+    rows = [(1, m) for m in metrics[:n_metrics_run1]] + [(2, m) for m in metrics[n_metrics_run1:]]
+    if not metrics:  # fall back on the in-memory stats of run 2
+        rows = [(2, m) for m in stats2]
+    st = Table(title="per-save timings (ms) from metrics.jsonl", title_justify="left",
+               caption="stall: loop blocked (save() + guard before the next optimizer.step()); "
+                       "the snapshot copy overlaps forward/backward", caption_justify="left")
+    for c in ("run", "step", "wait_prev", "stall", "snapshot", "write", "commit", "total",
+              "MB written", "MB/s"):
+        st.add_column(c, justify="right")
+    for run, m in rows:
+        ok = m.get("ok", True)
+        st.add_row(str(run), str(m.get("step")) + ("" if ok else " [red]FAILED[/]"),
+                   ms(num(m, "wait_prev_s")), ms(num(m, "stall_s")), ms(num(m, "snapshot_s")),
+                   ms(num(m, "write_s")), ms(num(m, "commit_s")), ms(num(m, "total_s")),
+                   f"{num(m, 'bytes_written') / 1e6:.1f}", f"{num(m, 'write_bytes_per_s') / 1e6:,.0f}")
+    lost = [s for s in run1 if "save_call_s" in run1[s] and
+            not any(run == 1 and m.get("step") == s for run, m in rows)]
+    con.print()
+    con.print(st)
+    if lost:
+        con.print(f"run 1 save(s) {lost}: no metrics line (still in flight at the SIGKILL)")
+
+    # --- summary -----------------------------------------------------------------------------
+    stalls = [num(m, "stall_s") for _, m in rows if m.get("ok", True)]
+    stalls = [s for s in stalls if not math.isnan(s)]
+    step_s = [e["step_s"] for e in list(run1.values()) + list(run2.values())]
+    med_stall = statistics.median(stalls) if stalls else float("nan")
+    med_step = statistics.median(step_s)
+    totals = [num(m, "total_s") for _, m in rows if m.get("ok", True)]
+    con.print()
+    con.rule("[bold]summary")
+    con.print(f"restored step            {restored}   (run 1 was killed after step {args.kill_after})")
+    con.print(f"committed steps          {steps_before} after the crash, {steps_after} at the end")
+    con.print(f"median stall per save    {med_stall * 1e3:.1f} ms   (training loop blocked)")
+    if totals:
+        con.print(f"median save to durable   {statistics.median(totals) * 1e3:.1f} ms   "
+                  f"(overlapped with training)")
+    con.print(f"median step time         {med_step * 1e3:.1f} ms")
+    if not math.isnan(med_stall):
+        con.print(f"stall / step             {med_stall / med_step:.1%} of one step; saving every "
+                  f"{args.every} steps costs ~{med_stall / (args.every * med_step):.1%} of training time")
+    con.print(f"wall time                {time.perf_counter() - t_start:.1f} s")
+    con.print(f"\n[dim]inspect it: {Path(sys.executable).name} -m checkpointing ls {ckpt}   "
+              f"|   ... verify {ckpt}[/]")
+
+
+if __name__ == "__main__":
+    main()

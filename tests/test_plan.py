@@ -1,0 +1,169 @@
+"""plan_pack and retention: pure planning, checked by properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointing.options import MIN_CHUNK_BYTES
+from checkpointing.plan import CHUNK_ALIGN, POOL_ALIGN, plan_pack, round_up
+from checkpointing.retention import steps_to_delete
+
+PROPS = settings(max_examples=150, deadline=None)
+
+leaf_sizes = st.lists(st.integers(0, 200_000) | st.sampled_from([0, 1, 63, 64, 65, 4095, 4096, 4097, 1 << 16]), max_size=12)
+chunk_sizes = st.integers(MIN_CHUNK_BYTES, 1 << 16) | st.sampled_from([4096, 4097, 8192, 1 << 16, 1 << 23])
+
+
+@st.composite
+def plan_inputs(draw):
+    sizes = draw(leaf_sizes)
+    deferred = draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    chunk = draw(chunk_sizes)
+    # ManagerOptions requires budget >= 2 * chunk_bytes
+    budget = draw(st.none() | st.integers(2 * chunk, 2 * chunk + 600_000))
+    return sizes, deferred, chunk, budget
+
+
+def check_plan(sizes, deferred, chunk, budget):
+    plan = plan_pack(sizes, deferred, chunk_bytes=chunk, budget=budget)
+    pool = plan.pool_bytes
+    ps = plan.placements
+
+    # every byte of every leaf is placed exactly once, in order, in chunks of at most chunk_bytes
+    for leaf, n in enumerate(sizes):
+        mine = [p for p in ps if p.leaf == leaf]
+        assert [p.src_offset for p in mine] == [sum(q.length for q in mine[:i]) for i in range(len(mine))]
+        assert sum(p.length for p in mine) == n
+        assert all(0 < p.length <= chunk for p in mine)
+    assert plan.data_bytes == sum(sizes)
+
+    # eager leaves first, then deferred ones; eager_placements counts the eager prefix
+    kinds = [deferred[p.leaf] for p in ps]
+    assert kinds == sorted(kinds)
+    assert plan.eager_placements == kinds.count(False)
+    order = [p.leaf for p in ps]
+    first_seen = list(dict.fromkeys(order))
+    expected = [i for i, d in enumerate(deferred) if not d and sizes[i]] + [i for i, d in enumerate(deferred) if d and sizes[i]]
+    assert first_seen == expected  # state order kept within each group
+    assert all(order[i] <= order[i + 1] or deferred[order[i + 1]] != deferred[order[i]] for i in range(len(order) - 1))
+
+    # pack layout: aligned, increasing, non-overlapping; ends at pack_bytes
+    for a, b in zip(ps, ps[1:]):
+        assert a.pack_offset + a.length <= b.pack_offset
+    assert all(p.pack_offset % CHUNK_ALIGN == 0 for p in ps)
+    assert plan.pack_bytes == (ps[-1].pack_offset + ps[-1].length if ps else 0)
+
+    # the pool: page multiple, a ring nobody straddles
+    assert pool % POOL_ALIGN == 0 and pool >= POOL_ALIGN
+    for p in ps:
+        assert p.pack_offset % pool + p.length <= pool, (p, pool)
+    if budget is None:
+        assert pool >= plan.data_bytes
+    else:
+        assert pool <= budget
+        assert pool >= min(round_up(max(sum(round_up(n, CHUNK_ALIGN) for n in sizes), 1), POOL_ALIGN), budget // POOL_ALIGN * POOL_ALIGN)
+    # the padding is bounded: per chunk < CHUNK_ALIGN, plus a skipped ring tail shorter than the chunk
+    assert plan.pack_bytes <= 2 * plan.data_bytes + len(ps) * CHUNK_ALIGN
+    return plan
+
+
+@PROPS
+@given(plan_inputs())
+def test_plan_pack_properties(args):
+    check_plan(*args)
+
+
+@PROPS
+@given(leaf_sizes, st.sampled_from([4096, 8192, 1 << 16, 1 << 20]))
+def test_without_budget_the_pool_holds_the_whole_pack(sizes, chunk):
+    """With chunk sizes that are multiples of CHUNK_ALIGN, an unbounded pool is the identity (no ring)."""
+    plan = check_plan(sizes, [False] * len(sizes), chunk, None)
+    assert plan.pack_bytes <= plan.pool_bytes
+    assert all(p.pack_offset < plan.pool_bytes for p in plan.placements)
+
+
+@PROPS
+@given(leaf_sizes, chunk_sizes)
+def test_without_budget_the_pool_holds_the_whole_pack_any_chunk_size(sizes, chunk):
+    """The module docstring: 'With a pool at least as large as the data this is the identity'.
+
+    chunk_bytes only has to be >= 4096 (ManagerOptions), not a multiple of 64; every chunk start is
+    then padded to 64 and the pack can outgrow the pool that was sized from the leaf sizes alone.
+    """
+    plan = check_plan(sizes, [False] * len(sizes), chunk, None)
+    assert plan.pack_bytes <= plan.pool_bytes, (plan.pack_bytes, plan.pool_bytes)
+
+
+def test_examples():
+    plan = plan_pack([10, 100], [True, False], chunk_bytes=4096, budget=None)
+    assert [(p.leaf, p.src_offset, p.length, p.pack_offset) for p in plan.placements] == [(1, 0, 100, 0), (0, 0, 10, 128)]
+    assert plan.eager_placements == 1 and plan.pack_bytes == 138 and plan.pool_bytes == 4096
+
+    empty = plan_pack([], [], chunk_bytes=4096, budget=None)
+    assert empty.placements == () and empty.pack_bytes == 0 and empty.pool_bytes == 4096
+
+    zeros = plan_pack([0, 0], [False, True], chunk_bytes=4096, budget=None)
+    assert zeros.placements == () and zeros.eager_placements == 0
+
+    # a ring of 8192 bytes with 3000-byte chunks: the third chunk would straddle, it skips to 8192
+    ring = plan_pack([9000], [False], chunk_bytes=3000, budget=8192 + 100)
+    assert ring.pool_bytes == 8192
+    assert [(p.src_offset, p.length, p.pack_offset) for p in ring.placements] == [
+        (0, 3000, 0), (3000, 3000, 3008), (6000, 3000, 8192),
+    ]
+
+
+def test_budget_larger_than_data_changes_nothing():
+    a = plan_pack([5000, 7000], [False, True], chunk_bytes=4096, budget=None)
+    b = plan_pack([5000, 7000], [False, True], chunk_bytes=4096, budget=1 << 30)
+    assert a == b
+
+
+def test_chunk_larger_than_pool_is_clamped():
+    plan = plan_pack([100_000], [False], chunk_bytes=1 << 20, budget=3 * 4096 + 5)
+    assert plan.pool_bytes == 3 * 4096
+    assert all(p.length <= plan.pool_bytes for p in plan.placements)
+    check_plan([100_000], [False], 1 << 20, 3 * 4096 + 5)
+
+
+@pytest.mark.parametrize("n,align,expected", [(0, 64, 0), (1, 64, 64), (64, 64, 64), (65, 64, 128), (4097, 4096, 8192)])
+def test_round_up(n, align, expected):
+    assert round_up(n, align) == expected
+
+
+# ---------------------------------------------------------------- retention
+
+
+@PROPS
+@given(st.sets(st.integers(0, 10**10 - 1), max_size=30), st.integers(1, 35), st.none() | st.integers(0, 10**10 - 1))
+def test_steps_to_delete_properties(committed_set, keep, protect):
+    committed = list(committed_set)
+    doomed = steps_to_delete(committed, keep, protect=protect)
+    kept = committed_set - set(doomed)
+    assert set(doomed) <= committed_set
+    assert len(doomed) == len(set(doomed))
+    assert protect not in doomed
+    newest = sorted(committed_set)[-keep:]
+    assert set(newest) <= kept  # the newest `keep` always stay
+    assert kept <= set(newest) | {protect}  # nothing else stays but the protected step
+    assert doomed == sorted(doomed)  # oldest first
+
+
+@PROPS
+@given(st.lists(st.integers(0, 100), max_size=20), st.integers(1, 5))
+def test_steps_to_delete_ignores_input_order(steps, keep):
+    steps = list(dict.fromkeys(steps))
+    assert steps_to_delete(steps, keep) == steps_to_delete(sorted(steps), keep) == steps_to_delete(steps[::-1], keep)
+
+
+def test_steps_to_delete_examples():
+    assert steps_to_delete([], 1) == []
+    assert steps_to_delete([1, 2, 3], 2) == [1]
+    assert steps_to_delete([3, 1, 2], 1) == [1, 2]
+    assert steps_to_delete([1, 2, 3], 1, protect=1) == [2]
+    assert steps_to_delete([1, 2, 3], 5) == []
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            steps_to_delete([1], bad)
