@@ -135,7 +135,7 @@ class _Planner:
 
     def mapping(self, target: Any, node: dict, path: tuple, *, top: bool = False) -> Any:
         items = node["dict"]
-        if isinstance(target, MutableMapping) or (isinstance(target, dict)):
+        if isinstance(target, MutableMapping):
             wildcard = len(target) == 0 and not top
             saved = {k for k, _ in items}
             if not wildcard:

@@ -21,12 +21,7 @@ from checkpointing import (
 from _models import child_env, step_dir_name
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _committed_dirs(ck):
