@@ -1,17 +1,17 @@
 """Where each chunk of each tensor goes in the pack file and in the staging pool (pure).
 
 The pack file is the staging pool's image: a chunk at pack offset `o` is staged at pool offset
-`o % pool_bytes`. With a pool at least as large as the data this is the identity; with a smaller
-budget the pool is a ring, and no chunk straddles its end (the cursor skips to the next ring
-boundary instead, leaving unreferenced padding in the pack).
+`o % pool_bytes`. Without a budget the chunks lie back to back and the pool is exactly the data's
+size (the identity). With a smaller budget the pool is a ring of whole 4 KiB pages, and no chunk
+straddles its end (the cursor skips to the next ring boundary, leaving unreferenced padding in the
+pack).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-CHUNK_ALIGN = 64  # start of every chunk: cache-line aligned views on read
-POOL_ALIGN = 4096  # pool size and ring boundaries: O_DIRECT block size
+POOL_ALIGN = 4096  # ring size and boundaries: O_DIRECT block size
 
 
 def round_up(n: int, align: int) -> int:
@@ -42,11 +42,11 @@ def plan_pack(leaf_nbytes: list[int], deferred: list[bool], *, chunk_bytes: int,
     """Place every leaf's bytes, split into chunks of at most `chunk_bytes`."""
     order = [i for i, d in enumerate(deferred) if not d] + [i for i, d in enumerate(deferred) if d]
     unbounded = _place(leaf_nbytes, deferred, order, chunk_bytes, pool=None)
-    pool = round_up(max(unbounded.pack_bytes, 1), POOL_ALIGN)
-    if budget is None or budget >= pool:
-        return dataclasses.replace(unbounded, pool_bytes=pool)
-    pool = max(POOL_ALIGN, budget // POOL_ALIGN * POOL_ALIGN)
-    return _place(leaf_nbytes, deferred, order, min(chunk_bytes, pool), pool=pool)
+    if budget is None or budget >= unbounded.pack_bytes:
+        return dataclasses.replace(unbounded, pool_bytes=unbounded.pack_bytes)
+    pool = max(2 * POOL_ALIGN, budget // POOL_ALIGN * POOL_ALIGN)
+    # a chunk plus one partly written page must fit, or the writer could not free room for it
+    return _place(leaf_nbytes, deferred, order, min(chunk_bytes, pool - POOL_ALIGN), pool=pool)
 
 
 def _place(leaf_nbytes: list[int], deferred: list[bool], order: list[int], chunk: int, pool: int | None) -> PackPlan:
@@ -57,7 +57,6 @@ def _place(leaf_nbytes: list[int], deferred: list[bool], order: list[int], chunk
         done = 0
         while done < leaf_nbytes[leaf]:
             length = min(chunk, leaf_nbytes[leaf] - done)
-            cursor = round_up(cursor, CHUNK_ALIGN)
             if pool is not None and cursor % pool + length > pool:
                 cursor = round_up(cursor, pool)
             placements.append(Placement(leaf, done, length, cursor))

@@ -17,7 +17,7 @@ import xxhash
 from . import catalog, layout
 from .dtypes import dtype_name
 from .manifest import CHUNK_DIGEST, ChunkRef, Manifest, ShardEntry, TensorEntry
-from .plan import PackPlan, round_up
+from .plan import PackPlan
 from .staging import Copier, StagingPool
 from .storage import LocalStorage
 from .tree import FlatState
@@ -89,10 +89,10 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
             state["digested"] = i
             end = upto if final else upto // align * align
             written = state["written"]
-            while written < end:
+            while written < end:  # aligned blocks; only the final one may be short
                 start = written % ring
                 n = min(end - written, ring - start, write_block)
-                stream.write(pool.view[start : start + round_up(n, align)])
+                stream.write(pool.view[start : start + n])
                 written += n
             state["written"] = written
 
@@ -100,7 +100,10 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
             job.eager_staged.set()
         for i, p in enumerate(placements):
             while p.pack_offset + p.length - state["written"] > ring:
+                before = state["written"]
                 flush(p.pack_offset)  # ring full: write out what is staged before reusing it
+                if state["written"] == before:
+                    raise RuntimeError(f"staging ring of {ring} bytes cannot hold chunk {p} (plan invariant broken)")
             copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length)
             if i + 1 == plan.eager_placements:
                 job.eager_event = copier.last_event()
@@ -109,8 +112,6 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
         job.t_staged = time.perf_counter()
         job.staged.set()
         flush(plan.pack_bytes, final=True)
-        if align > 1 and plan.pack_bytes % align:
-            stream.truncate(plan.pack_bytes)
         stream.close()
     except BaseException:
         job.release_waiters()

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointing.options import MIN_CHUNK_BYTES
-from checkpointing.plan import CHUNK_ALIGN, POOL_ALIGN, plan_pack, round_up
+from checkpointing.plan import POOL_ALIGN, plan_pack, round_up
 from checkpointing.retention import steps_to_delete
 
 PROPS = settings(max_examples=150, deadline=None)
@@ -49,23 +49,25 @@ def check_plan(sizes, deferred, chunk, budget):
     assert first_seen == expected  # state order kept within each group
     assert all(order[i] <= order[i + 1] or deferred[order[i + 1]] != deferred[order[i]] for i in range(len(order) - 1))
 
-    # pack layout: aligned, increasing, non-overlapping; ends at pack_bytes
+    # pack layout: increasing, non-overlapping; ends at pack_bytes
     for a, b in zip(ps, ps[1:]):
         assert a.pack_offset + a.length <= b.pack_offset
-    assert all(p.pack_offset % CHUNK_ALIGN == 0 for p in ps)
     assert plan.pack_bytes == (ps[-1].pack_offset + ps[-1].length if ps else 0)
 
-    # the pool: page multiple, a ring nobody straddles
-    assert pool % POOL_ALIGN == 0 and pool >= POOL_ALIGN
+    if budget is None or budget >= plan.data_bytes:
+        # no ring: chunks back to back and the pool is exactly the data
+        for a, b in zip(ps, ps[1:]):
+            assert a.pack_offset + a.length == b.pack_offset
+        assert pool == plan.pack_bytes == plan.data_bytes
+        return plan
+    # a ring: whole pages, within the budget, nobody straddles its end, room for a chunk + a page
+    assert pool % POOL_ALIGN == 0 and 2 * POOL_ALIGN <= pool <= max(budget, 2 * POOL_ALIGN)
+    assert pool >= budget // POOL_ALIGN * POOL_ALIGN
     for p in ps:
         assert p.pack_offset % pool + p.length <= pool, (p, pool)
-    if budget is None:
-        assert pool >= plan.data_bytes
-    else:
-        assert pool <= budget
-        assert pool >= min(round_up(max(sum(round_up(n, CHUNK_ALIGN) for n in sizes), 1), POOL_ALIGN), budget // POOL_ALIGN * POOL_ALIGN)
-    # the padding is bounded: per chunk < CHUNK_ALIGN, plus a skipped ring tail shorter than the chunk
-    assert plan.pack_bytes <= 2 * plan.data_bytes + len(ps) * CHUNK_ALIGN
+        assert p.length + POOL_ALIGN <= pool
+    # the padding is bounded: each skipped ring tail is shorter than a chunk
+    assert plan.pack_bytes <= 2 * plan.data_bytes
     return plan
 
 
@@ -78,7 +80,7 @@ def test_plan_pack_properties(args):
 @PROPS
 @given(leaf_sizes, st.sampled_from([4096, 8192, 1 << 16, 1 << 20]))
 def test_without_budget_the_pool_holds_the_whole_pack(sizes, chunk):
-    """With chunk sizes that are multiples of CHUNK_ALIGN, an unbounded pool is the identity (no ring)."""
+    """Without a budget the pool is the identity (no ring)."""
     plan = check_plan(sizes, [False] * len(sizes), chunk, None)
     assert plan.pack_bytes <= plan.pool_bytes
     assert all(p.pack_offset < plan.pool_bytes for p in plan.placements)
@@ -89,8 +91,7 @@ def test_without_budget_the_pool_holds_the_whole_pack(sizes, chunk):
 def test_without_budget_the_pool_holds_the_whole_pack_any_chunk_size(sizes, chunk):
     """The module docstring: 'With a pool at least as large as the data this is the identity'.
 
-    chunk_bytes only has to be >= 4096 (ManagerOptions), not a multiple of 64; every chunk start is
-    then padded to 64 and the pack can outgrow the pool that was sized from the leaf sizes alone.
+    chunk_bytes only has to be >= 4096 (ManagerOptions); any size keeps the identity.
     """
     plan = check_plan(sizes, [False] * len(sizes), chunk, None)
     assert plan.pack_bytes <= plan.pool_bytes, (plan.pack_bytes, plan.pool_bytes)
@@ -98,11 +99,11 @@ def test_without_budget_the_pool_holds_the_whole_pack_any_chunk_size(sizes, chun
 
 def test_examples():
     plan = plan_pack([10, 100], [True, False], chunk_bytes=4096, budget=None)
-    assert [(p.leaf, p.src_offset, p.length, p.pack_offset) for p in plan.placements] == [(1, 0, 100, 0), (0, 0, 10, 128)]
-    assert plan.eager_placements == 1 and plan.pack_bytes == 138 and plan.pool_bytes == 4096
+    assert [(p.leaf, p.src_offset, p.length, p.pack_offset) for p in plan.placements] == [(1, 0, 100, 0), (0, 0, 10, 100)]
+    assert plan.eager_placements == 1 and plan.pack_bytes == 110 and plan.pool_bytes == 110
 
     empty = plan_pack([], [], chunk_bytes=4096, budget=None)
-    assert empty.placements == () and empty.pack_bytes == 0 and empty.pool_bytes == 4096
+    assert empty.placements == () and empty.pack_bytes == 0 and empty.pool_bytes == 0
 
     zeros = plan_pack([0, 0], [False, True], chunk_bytes=4096, budget=None)
     assert zeros.placements == () and zeros.eager_placements == 0
@@ -111,7 +112,7 @@ def test_examples():
     ring = plan_pack([9000], [False], chunk_bytes=3000, budget=8192 + 100)
     assert ring.pool_bytes == 8192
     assert [(p.src_offset, p.length, p.pack_offset) for p in ring.placements] == [
-        (0, 3000, 0), (3000, 3000, 3008), (6000, 3000, 8192),
+        (0, 3000, 0), (3000, 3000, 3000), (6000, 3000, 8192),
     ]
 
 

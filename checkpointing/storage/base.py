@@ -20,16 +20,14 @@ from typing import Protocol
 class StreamWriter(Protocol):
     """Sequential writer of one large object (a pack file).
 
-    `alignment`: every `write` but the last must pass a length that is a multiple of it, and buffers
-    must start at an address aligned to it (O_DIRECT); `truncate(n)` then trims the padding of the
-    last write. `close()` makes the object durable; `abort()` removes it.
+    `alignment`: every `write` but the last must pass a length that is a multiple of it, from an
+    address aligned to it (O_DIRECT); the last write may have any length. `close()` makes the
+    object durable; `abort()` removes it.
     """
 
     alignment: int
 
     def write(self, data: memoryview) -> None: ...
-
-    def truncate(self, size: int) -> None: ...
 
     def close(self) -> None: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -140,14 +141,15 @@ class _LocalStream:
         self.offset = 0
 
     def write(self, data: memoryview) -> None:
+        if self.alignment > 1 and len(data) % self.alignment:
+            # the short last block: O_DIRECT would need padding, so write it through the page cache
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.alignment = 1
         view = data
         while view:
             n = os.pwrite(self.fd, view, self.offset)
             self.offset += n
             view = view[n:]
-
-    def truncate(self, size: int) -> None:
-        os.ftruncate(self.fd, size)
 
     def close(self) -> None:
         try:

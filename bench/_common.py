@@ -1,0 +1,336 @@
+"""Shared helpers for the benchmarks: raw I/O floors, page-cache eviction, a torch-free writer child.
+
+This module deliberately does not import torch: it is also run as a small child process
+(``python bench/_common.py --writer-child ...``) by the writer experiment, which must not pay
+torch's import or memory cost.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+
+BLOCK = 64 << 20  # 64 MiB I/O blocks
+PAGE = mmap.PAGESIZE
+now = time.perf_counter
+
+
+def round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_buffer(size: int, fill: int | None = 0xA5) -> mmap.mmap:
+    """Anonymous, page-aligned buffer (valid for O_DIRECT), pages touched so no fault cost later."""
+    buf = mmap.mmap(-1, size)
+    if fill is not None:
+        chunk = bytes([fill]) * (1 << 20)
+        for off in range(0, size, len(chunk)):
+            n = min(len(chunk), size - off)
+            buf[off:off + n] = chunk[:n]
+    return buf
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files_under(path: str) -> list:
+    if not os.path.isdir(path):
+        return [path]
+    out = []
+    for root, _dirs, names in os.walk(path):
+        out.extend(os.path.join(root, n) for n in names)
+    return out
+
+
+def evict(path: str) -> int:
+    """Drop the page cache of a file, or of every file under a directory (fsync first, then
+    POSIX_FADV_DONTNEED). Returns the number of files handled. Portable, no root needed."""
+    files = _files_under(path)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
+
+
+def resident_bytes(path: str) -> int | None:
+    """Bytes of `path` (a file, or all files under a dir) present in the page cache (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    total = 0
+    for f in _files_under(path):
+        size = os.path.getsize(f)
+        if size == 0:
+            continue
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            p = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if p is None or p == ctypes.c_void_p(-1).value:
+                return None
+            vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
+            rc = libc.mincore(ctypes.c_void_p(p), size, vec)
+            libc.munmap(ctypes.c_void_p(p), size)
+            if rc != 0:
+                return None
+            total += sum(b & 1 for b in vec.raw) * PAGE
+        finally:
+            os.close(fd)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# raw sequential I/O (floors)
+# ---------------------------------------------------------------------------------------------
+
+def write_file(path: str, nbytes: int, buf, *, direct: bool, fsync: bool = True) -> float:
+    """Write `nbytes` (rounded up to the page size for O_DIRECT) to a fresh file in 64 MiB pwrite
+    blocks taken from `buf` (a page-aligned buffer of >= min(nbytes, BLOCK) bytes), then fsync.
+    The buffer is re-used for every block (its content is irrelevant to ext4). Returns seconds."""
+    mv = memoryview(buf)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct:
+        flags |= os.O_DIRECT
+        nbytes = round_up(nbytes, PAGE)
+    t0 = now()
+    fd = os.open(path, flags, 0o644)
+    try:
+        off = 0
+        while off < nbytes:
+            n = min(BLOCK, nbytes - off, len(mv))
+            w = os.pwrite(fd, mv[:n], off)
+            off += w
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return now() - t0
+
+
+def write_from(path: str, src, *, direct: bool) -> float:
+    """Write all of the (page-aligned, page-multiple for O_DIRECT) buffer `src` to a fresh file in
+    64 MiB blocks + fsync. Returns seconds."""
+    mv = memoryview(src).cast("B")
+    nbytes = len(mv)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    t0 = now()
+    fd = os.open(path, flags, 0o644)
+    try:
+        off = 0
+        while off < nbytes:
+            n = min(BLOCK, nbytes - off)
+            off += os.pwrite(fd, mv[off:off + n], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return now() - t0
+
+
+def read_file(path: str, buf, *, direct: bool) -> tuple[float, int]:
+    """Sequentially read a whole file in 64 MiB blocks into `buf` (page-aligned). Returns
+    (seconds, bytes)."""
+    mv = memoryview(buf)
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    t0 = now()
+    fd = os.open(path, flags)
+    total = 0
+    try:
+        while True:
+            n = os.preadv(fd, [mv[:BLOCK]], total)
+            if n <= 0:
+                break
+            total += n
+            if n < BLOCK:
+                # O_DIRECT: a short read is the end of file
+                if direct:
+                    break
+    finally:
+        os.close(fd)
+    return now() - t0, total
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(CPU-seconds busy on the whole machine, CPU-seconds used by this process and its children,
+    live or reaped) since boot. The difference of deltas is CPU time taken by *other* processes:
+    a direct measure of machine noise during a measurement."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(v[:8]) - v[3] - v[4]) / _TCK  # all but idle and iowait (guest is inside user)
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parts = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(parts[1]) == me:  # ppid
+            own += sum(int(x) for x in parts[11:15]) / _TCK  # utime stime cutime cstime
+    return busy, own
+
+
+def foreign_cpu_since(snap: tuple[float, float]) -> float:
+    b, o = cpu_snapshot()
+    return max(0.0, (b - snap[0]) - (o - snap[1]))
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 0.3, window_s: float = 5.0, log=print) -> float:
+    """Wait (up to max_wait_s) until other processes use < threshold CPUs over window_s.
+    Returns the foreign CPU load (CPUs) of the last window."""
+    t_end = time.time() + max_wait_s
+    while True:
+        s = cpu_snapshot()
+        time.sleep(window_s)
+        load = foreign_cpu_since(s) / window_s
+        if load < threshold or time.time() >= t_end:
+            return load
+        log(f"machine busy: other processes use {load:.2f} CPUs; waiting ...")
+
+
+def machine_description() -> dict:
+    info = {"cpus": os.cpu_count()}
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def fs_type(path: str) -> str:
+    path = os.path.realpath(path)
+    best, fstype = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and path.startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, fstype = parts[1], f"{parts[2]} ({parts[0]})"
+    except OSError:
+        pass
+    return fstype
+
+
+# ---------------------------------------------------------------------------------------------
+# writer child (for the thread-vs-process writer experiment)
+# ---------------------------------------------------------------------------------------------
+
+def writer_loop(src, path: str, direct: bool, should_stop, times: list) -> None:
+    """Write `src` to `path` (+fsync) again and again until should_stop() is true after a write."""
+    while True:
+        times.append(write_from(path, src, direct=direct))
+        if should_stop():
+            return
+
+
+class WriterChild:
+    """A torch-free child process that maps a /dev/shm file and writes it on command."""
+
+    def __init__(self, shm_path: str, size: int):
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--writer-child", shm_path, str(size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        assert self.p.stdout.readline().strip() == "ready"
+
+    def start(self, path: str, direct: bool) -> None:
+        self.p.stdin.write(json.dumps({"cmd": "start", "path": path, "direct": direct}) + "\n")
+        self.p.stdin.flush()
+        assert self.p.stdout.readline().strip() == "started"
+
+    def stop(self) -> list:
+        self.p.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        self.p.wait(timeout=30)
+
+
+def _writer_child_main(shm_path: str, size: int) -> None:
+    fd = os.open(shm_path, os.O_RDWR)
+    src = mmap.mmap(fd, size)
+    os.close(fd)
+    print("ready", flush=True)
+    stdin = sys.stdin
+    while True:
+        line = stdin.readline()
+        if not line:
+            return
+        msg = json.loads(line)
+        if msg["cmd"] == "exit":
+            return
+        if msg["cmd"] != "start":
+            continue
+        print("started", flush=True)
+        times: list = []
+        state = {"stop": False}
+
+        def should_stop():
+            r, _, _ = select.select([stdin], [], [], 0)
+            if r:
+                m = json.loads(stdin.readline())
+                state["stop"] = True
+                assert m["cmd"] == "stop"
+            return state["stop"]
+
+        writer_loop(src, msg["path"], msg["direct"], should_stop, times)
+        print(json.dumps(times), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--writer-child":
+        _writer_child_main(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit("usage: _common.py --writer-child SHM_PATH SIZE")
