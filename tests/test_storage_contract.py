@@ -41,16 +41,21 @@ def _local_shm(tmp_path, monkeypatch, addfinalizer):
     return LocalStorage(root, direct=True)
 
 
-def _local_direct_refused(tmp_path, monkeypatch, addfinalizer):
-    """A filesystem that refuses O_DIRECT with EINVAL (older tmpfs, some network filesystems)."""
+def _refuse_o_direct(monkeypatch, err: int, text: str) -> None:
+    """Make opening with O_DIRECT fail with `err`, as a filesystem that does not support it would."""
     real_open = os.open
 
     def fake_open(path, flags, *args, **kwargs):
         if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT refused)", str(path))
+            raise OSError(err, text, str(path))
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", fake_open)
+
+
+def _local_direct_refused(tmp_path, monkeypatch, addfinalizer):
+    """A filesystem that refuses O_DIRECT with EINVAL (older tmpfs, some network filesystems)."""
+    _refuse_o_direct(monkeypatch, errno.EINVAL, "Invalid argument (O_DIRECT refused)")
     return LocalStorage(tmp_path / "root", direct=True)
 
 
@@ -309,14 +314,7 @@ def test_refused_o_direct_falls_back_to_buffered(tmp_path, monkeypatch, request)
 
 
 def test_other_o_direct_errors_are_not_swallowed(tmp_path, monkeypatch):
-    real_open = os.open
-
-    def fake_open(path, flags, *args, **kwargs):
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EACCES, "Permission denied", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", fake_open)
+    _refuse_o_direct(monkeypatch, errno.EACCES, "Permission denied")
     s = LocalStorage(tmp_path, direct=True)
     with pytest.raises(PermissionError):
         s.open_stream("p")
