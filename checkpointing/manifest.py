@@ -12,6 +12,8 @@ import math
 import re
 from typing import Any
 
+import xxhash
+
 from .dtypes import BY_NAME, dtype_from_name, itemsize
 from .errors import ManifestError
 from .layout import check_relpath
@@ -76,6 +78,11 @@ class CommitMarker:
 
 def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def chunk_digest(data: memoryview | bytes) -> str:
+    """The digest every chunk reference carries (xxh3-128 releases the GIL while it runs)."""
+    return f"{CHUNK_DIGEST}:{xxhash.xxh3_128(data).hexdigest()}"
 
 
 def manifest_digest(data: bytes) -> str:

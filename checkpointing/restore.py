@@ -20,11 +20,10 @@ import torch
 from .codecs import Codec
 from .dtypes import dtype_from_name
 from .errors import CheckpointCorruptError, CheckpointMismatchError
-from .manifest import Manifest, TensorEntry
+from .manifest import Manifest, TensorEntry, chunk_digest
 from .staging import tensor_view
 from .storage import Storage
 from .tree import is_stateful, join_key
-from .writer import digest
 
 _MISSING = object()
 READ_THREADS = 4
@@ -207,7 +206,7 @@ def read_tensor(storage: Storage, step: int, entry: TensorEntry, dest: torch.Ten
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: truncated ({exc})") from None
         for c in chunks[i:j]:
-            got = digest(view[pos : pos + c.length])
+            got = chunk_digest(view[pos : pos + c.length])
             if got != c.digest:
                 raise CheckpointCorruptError(
                     f"{where}: bytes {c.offset}..{c.offset + c.length} are damaged ({got} != {c.digest}); "

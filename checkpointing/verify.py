@@ -6,8 +6,8 @@ import dataclasses
 
 from . import catalog
 from .errors import CheckpointError
+from .manifest import chunk_digest
 from .storage import Storage
-from .writer import digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ def verify_step(storage: Storage, step: int) -> StepReport:
                 except EOFError:
                     problems.append(f"{where}: file truncated")
                     continue
-                if digest(view) != c.digest:
+                if chunk_digest(view) != c.digest:
                     problems.append(f"{where}: digest mismatch (damaged bytes)")
                 checked += c.length
     return StepReport(step, len(manifest.tensors), checked, tuple(problems))

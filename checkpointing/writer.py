@@ -12,11 +12,9 @@ import threading
 import time
 from typing import Any
 
-import xxhash
-
 from . import catalog, layout
 from .dtypes import dtype_name
-from .manifest import CHUNK_DIGEST, ChunkRef, Manifest, ShardEntry, TensorEntry
+from .manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, chunk_digest
 from .plan import PackPlan
 from .staging import Copier, StagingPool
 from .storage import LocalStorage
@@ -58,10 +56,6 @@ class SaveJob:
         self.staged.set()
 
 
-def digest(view: memoryview) -> str:
-    return f"{CHUNK_DIGEST}:{xxhash.xxh3_128(view).hexdigest()}"
-
-
 def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_block: int) -> None:
     """Stage, write and commit `job`. Raises on failure after removing the partial pack."""
     plan = job.plan
@@ -72,7 +66,7 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     stream = storage.open_stream(pack_path)
     try:
         # on this thread, so a first (or grown) allocation overlaps the training step
-        pool.ensure(plan.pool_bytes, pinned=any(leaf.tensor.is_cuda for leaf in job.flat.leaves))
+        pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
         copier = Copier(pool, [leaf.tensor for leaf in job.flat.leaves], job.start_event)
         align = stream.alignment
         digests: list[str] = [""] * len(placements)
@@ -84,7 +78,7 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
                 p = placements[i]
                 copier.ready(i)
                 start = p.pack_offset % ring
-                digests[i] = digest(pool.view[start : start + p.length])
+                digests[i] = chunk_digest(pool.view[start : start + p.length])
                 i += 1
             state["digested"] = i
             end = upto if final else upto // align * align

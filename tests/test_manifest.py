@@ -38,7 +38,7 @@ from checkpointing.manifest import (
     encode_manifest,
     manifest_digest,
 )
-from checkpointing.writer import digest
+from checkpointing.manifest import chunk_digest
 
 GOLDEN = Path(__file__).parent / "golden"
 WHERE = "WHERE:/ckpt/step-0000000007/manifest.json"
@@ -54,7 +54,7 @@ PACK = layout.pack_name(7, 0, TOKEN)
 
 
 def _chunk(offset: int, length: int, seed: int) -> ChunkRef:
-    return ChunkRef(PACK, offset, length, digest(memoryview(bytes((seed + i) % 256 for i in range(length)))))
+    return ChunkRef(PACK, offset, length, chunk_digest(memoryview(bytes((seed + i) % 256 for i in range(length)))))
 
 
 def golden_manifest() -> Manifest:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from ..layout import new_token
 
@@ -30,6 +32,14 @@ class LocalStorage:
 
     def _abs(self, path: str) -> Path:
         return self.root / path if path else self.root
+
+    @contextlib.contextmanager
+    def _missing(self, path: str) -> Iterator[None]:
+        """A path below a file, or a directory where an object is expected, is a missing object."""
+        try:
+            yield
+        except (NotADirectoryError, IsADirectoryError):
+            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
 
     def _sync_dir(self, path: Path) -> None:
         if not self.fsync:
@@ -76,16 +86,12 @@ class LocalStorage:
         self._sync_dir(target.parent)
 
     def get(self, path: str) -> bytes:
-        try:
+        with self._missing(path):
             return self._abs(path).read_bytes()
-        except (NotADirectoryError, IsADirectoryError):
-            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
-        try:
+        with self._missing(path):
             fd = os.open(self._abs(path), os.O_RDONLY)
-        except NotADirectoryError:
-            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
         try:
             done = 0
             while done < len(buf):
@@ -97,10 +103,8 @@ class LocalStorage:
             os.close(fd)
 
     def size(self, path: str) -> int:
-        try:
+        with self._missing(path):
             return self._abs(path).stat().st_size
-        except NotADirectoryError:
-            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
 
     def list(self, prefix: str = "") -> list[str]:
         try:
