@@ -1,0 +1,263 @@
+"""`checkpointing report`: table contents, summary numbers, JSON keys, the PNG, the CLI entry."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from checkpointing import advice, report
+from checkpointing.errors import CheckpointConfigError
+from checkpointing.metrics import SaveStats, append_jsonl
+from checkpointing.steptime import StepClock
+
+T0 = 1_700_000_000.0
+
+
+def stats(step: int, stall: float, *, ok: bool = True, t: float | None = None) -> SaveStats:
+    return SaveStats(
+        step=step, ok=ok, error=None if ok else "OSError: disk full", wait_prev_s=0.0, stall_s=stall,
+        guard_wait_s=0.01, snapshot_s=0.15, write_s=1.5, commit_s=0.05, total_s=1.7, bytes_total=10**9,
+        bytes_written=8 * 10**8 if ok else 0, bytes_reused=2 * 10**8 if ok else 0,
+        write_bytes_per_s=5.3e8 if ok else 0.0, staging_bytes=10**9, time=T0 + 20 * step if t is None else t,
+    )
+
+
+@pytest.fixture
+def records() -> list[dict]:
+    """Four good saves with stalls 0.1..0.4 s and one failed save."""
+    out = [stats(i, 0.1 * (i + 1)).as_dict() for i in range(4)]
+    out.insert(2, stats(99, 9.0, ok=False).as_dict())
+    return out
+
+
+def render(renderable) -> str:
+    console = Console(record=True, width=200)
+    console.print(renderable)
+    return console.export_text()
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_saves_table_shows_phases_throughput_bytes_and_result(records):
+    text = render(report.saves_table(records))
+    for header in ("step", "wait prev", "stall", "snapshot", "write", "commit", "total", "write MB/s", "written", "reused", "result"):
+        assert header in text
+    for value in ("100.0 ms", "400.0 ms", "150.0 ms", "1.50 s", "50.0 ms", "1.70 s", "530.0", "800.0 MB", "200.0 MB"):
+        assert value in text
+    assert text.count(" ok ") == 4
+    assert "error OSError: disk full" in text
+    bracketed = dict(records[2], error="ValueError: bad [red]tag[/red]")
+    assert "bad [red]tag[/red]" in render(report.saves_table([bracketed]))  # printed, not styled
+    assert "tier" in text and text.count("local") == 5  # SaveStats always records its tier
+    for absent in ("upload", "slowdown", "overhead"):  # columns only for fields some record has
+        assert absent not in text
+
+
+def test_optional_fields_get_columns():
+    rec = stats(7, 0.2).as_dict() | {"upload_s": 3.0, "upload_bytes_per_s": 2.0e8, "slowdown_s": 0.45,
+                                      "step_stall_s": 0.21, "overhead_pct": 12.5, "tier": "remote"}
+    text = render(report.saves_table([rec]))
+    for header, value in (("upload", "3.00 s"), ("upload MB/s", "200.0"), ("slowdown", "450.0 ms"),
+                          ("step stall", "210.0 ms"), ("overhead", "12.50%"), ("tier", "remote")):
+        assert header in text and value in text
+
+
+def test_a_rank_column_when_several_ranks_share_the_file():
+    recs = [stats(5, 0.1 + 0.1 * r).as_dict() | {"rank": r, "world_size": 2} for r in range(2)]
+    text = render(report.saves_table(recs))
+    assert "rank" in text and "100.0 ms" in text and "200.0 ms" in text
+    assert [row["rank"] for row in report.to_json(recs)["saves"]] == [0, 1]
+    assert "rank" not in render(report.saves_table([stats(5, 0.1).as_dict()]))
+
+
+def test_unknown_missing_and_malformed_fields_are_tolerated():
+    recs = [{"step": 1, "stall_s": "fast", "from_the_future": [1, 2], "bytes_total": float("nan")}, {"step": 2},
+            {"stall_s": 0.3, "ok": "yes?", "tier": ["x"], "error": None}]
+    text = render(report.saves_table(recs))
+    assert "300.0 ms" in text and "from_the_future" not in text
+    s = report.summarize(recs)
+    assert s.saves == 3 and s.ok == 3 and s.stall_s.p50 == pytest.approx(0.3)
+    rows = report.to_json(recs)["saves"]
+    assert rows[0]["stall_s"] is None and rows[1]["total_s"] is None and rows[2]["step"] is None
+    assert rows[0]["bytes_total"] is None and rows[2]["tier"] is None  # no NaN or nested values in the JSON
+    json.dumps(report.to_json(recs), allow_nan=False)
+    with pytest.raises(CheckpointConfigError, match="cost"):
+        report.summarize([{"step": 1}], mtbf_s=3600.0)
+
+
+def test_percentiles_by_hand():
+    # sorted 0.1 0.2 0.3 0.4; p50 at rank 1.5 -> 0.25; p90 at 2.7 -> 0.3 + 0.7*0.1 = 0.37;
+    # p99 at 2.97 -> 0.397; max 0.4; mean 0.25
+    s = report.Spread.of([0.4, 0.1, 0.3, 0.2])
+    assert (s.p50, s.p90, s.p99, s.max, s.mean) == pytest.approx((0.25, 0.37, 0.397, 0.4, 0.25))
+    assert report.Spread.of([]) is None
+    assert report.Spread.of([2.0]) == report.Spread(2.0, 2.0, 2.0, 2.0, 2.0)
+
+
+def test_summary_counts_good_saves_and_advises_from_the_median_cost(records):
+    s = report.summarize(records)
+    assert (s.saves, s.ok, s.failed) == (5, 4, 1)
+    assert s.stall_s.max == pytest.approx(0.4)  # the failed save's 9 s stall is only counted
+    assert s.total_s.p50 == pytest.approx(1.7)
+    assert s.write_bytes_per_s == pytest.approx(5.3e8)
+    assert (s.bytes_written, s.bytes_reused) == (32 * 10**8, 8 * 10**8)
+    assert s.advice is None and s.slowdown_s is None
+    # with slowdown and step time: costs 0.1+0.5, 0.2+0.5, 0.3+0.5, 0.4+0.5 -> median 0.75 s
+    for r in records:
+        r.update(slowdown_s=0.5, step_time_s=0.25)
+    s = report.summarize(records, mtbf_s=24 * 3600.0)
+    assert s.cost_s.p50 == pytest.approx(0.75)
+    assert s.advice == advice.advise(s.cost_s.p50, 86400.0, step_time_s=0.25)
+    # Young: sqrt(2 * 0.75 * 86400) = sqrt(129600) = 360 s; Daly just below
+    assert s.advice.young_s == pytest.approx(360.0)
+    assert s.advice.daly_s < 360.0 and s.advice.every_steps == round(s.advice.daly_s / 0.25)
+    text = render(report.summary_table(s))
+    for value in ("5 saves, 4 ok, 1 failed", "750.0 ms", "360.00 s", f"{s.advice.daly_s:.2f} s", "24.00 h",
+                  f"{s.advice.every_steps} steps", "3.2 GB", "530.0"):
+        assert value in text
+
+
+def test_cost_uses_step_stall_without_the_wait_for_the_previous_save():
+    rec = {"step": 1, "ok": True, "wait_prev_s": 0.3, "step_stall_s": 0.5, "slowdown_s": 0.1}
+    assert report.summarize([rec], mtbf_s=100.0).advice.cost_s == pytest.approx(0.2 + 0.1)
+
+
+def test_json_has_stable_documented_keys(records):
+    doc = report.to_json(records, mtbf_s=3600.0, source="ckpt")
+    assert list(doc) == ["schema", "source", "plot", "saves", "summary", "advice"]
+    assert doc["schema"] == "checkpointing.report/1" and doc["source"] == "ckpt" and doc["plot"] is None
+    assert all(tuple(row) == report.SAVE_KEYS for row in doc["saves"])
+    assert [row["ok"] for row in doc["saves"]] == [True, True, False, True, True]
+    assert set(doc["summary"]) == {"saves", "ok", "failed", "stall_s", "total_s", "cost_s", "step_stall_s", "slowdown_s",
+                                   "overhead_pct", "write_bytes_per_s", "upload_bytes_per_s", "bytes_written",
+                                   "bytes_reused", "step_time_s"}
+    assert set(doc["summary"]["stall_s"]) == {"p50", "p90", "p99", "max", "mean"}
+    assert doc["advice"]["young_s"] == pytest.approx(advice.young_interval(0.25, 3600.0))
+    assert json.loads(json.dumps(doc)) == doc
+    assert report.to_json(records)["advice"] is None
+
+
+def test_load_records_from_a_directory_a_file_or_a_file_url(tmp_path):
+    for i in range(3):
+        append_jsonl(tmp_path / "metrics.jsonl", stats(i, 0.1))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "torn\n42\n\n')  # a torn line and a non-object are skipped
+    assert [r["step"] for r in report.load_records(tmp_path)] == [0, 1, 2]
+    assert len(report.load_records(tmp_path / "metrics.jsonl")) == 3
+    assert len(report.load_records(f"file://{tmp_path}")) == 3
+    assert report.load_records(tmp_path / "metrics.jsonl") == report.load_records(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.load_records(empty) == []
+    with pytest.raises(CheckpointConfigError, match="no such"):
+        report.load_records(tmp_path / "missing")
+    with pytest.raises(CheckpointConfigError, match="s3:// is not supported yet"):
+        report.load_records("s3://bucket/run1")
+
+
+def test_png_is_1200_by_700_with_and_without_step_times(tmp_path, records):
+    clock = StepClock()
+    for i in range(50):
+        clock.begin_step(i, float(i))
+        clock.end_step(i, i + 1.0 + (0.3 if i % 20 < 2 else 0.0))
+    assert png_size(report.plot(records, tmp_path / "a.png", step_times=clock.step_samples())) == (1200, 700)
+    pairs = [(T0 + i, 1.0) for i in range(30)]
+    assert png_size(report.plot(records, tmp_path / "b.png", step_times=pairs)) == (1200, 700)
+    no_time = [dict(r, time=0.0) for r in records]  # old records: saves laid out one after another
+    out = report.plot(no_time, str(tmp_path / "c.png"))
+    assert out == tmp_path / "c.png" and png_size(out) == (1200, 700)
+    assert png_size(report.plot([], tmp_path / "d.png")) == (1200, 700)
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, records, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an absent package looks like to import
+    with pytest.raises(ImportError, match=r"checkpointing\[plot\]"):
+        report.plot(records, tmp_path / "x.png")
+
+
+def test_cli_plot_without_matplotlib_exits_2_naming_the_extra(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code, out = cli(str(run_dir), "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "pip install 'checkpointing[plot]'" in out
+
+
+def cli(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="checkpointing report")
+    report.add_arguments(parser)
+    out = io.StringIO()
+    code = report.run(parser.parse_args(list(argv)), Console(file=out, width=200))
+    return code, out.getvalue()
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    for i in range(4):
+        append_jsonl(tmp_path / "metrics.jsonl", stats(i * 10, 0.1 * (i + 1)))
+    return tmp_path
+
+
+def test_cli_prints_the_tables(run_dir):
+    code, out = cli(str(run_dir), "--mtbf", "24")
+    assert code == 0
+    assert "saves in" in out and "summary: 4 saves, 4 ok, 0 failed" in out and "Daly interval" in out
+
+
+def test_cli_json_last_and_plot(run_dir, tmp_path):
+    png = tmp_path / "out.png"
+    code, out = cli(str(run_dir), "--json", "--last", "2", "--plot", str(png))
+    assert code == 0
+    doc = json.loads(out)
+    assert [r["step"] for r in doc["saves"]] == [20, 30]
+    assert doc["plot"] == str(png) and png_size(png) == (1200, 700)
+    assert doc["advice"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mtbf", "0"], "mean time between failures"),
+    (["--last", "0"], "--last"),
+])
+def test_cli_bad_arguments_exit_2(run_dir, argv, message):
+    code, out = cli(str(run_dir), *argv)
+    assert code == 2 and message in out
+
+
+def test_cli_nothing_to_show_exits_2(tmp_path):
+    code, out = cli(str(tmp_path))
+    assert code == 2 and "no save metrics" in out
+    code, out = cli(str(tmp_path / "nope"))
+    assert code == 2 and "no such" in out
+
+
+def test_step_accounting_fields_flow_into_the_report():
+    clock = StepClock()
+    t = 0.0
+    for i in range(4):
+        clock.begin_step(i, t)
+        t += 1.0
+        clock.end_step(i, t)
+    clock.begin_step(4, t)
+    t += 1.0
+    clock.save_issued(4, t)
+    t += 0.2
+    clock.save_returned(4, t)
+    clock.end_step(4, t)
+    clock.begin_step(5, t)
+    t += 1.3
+    clock.end_step(5, t)
+    clock.save_durable(4, t)
+    [cost] = clock.pop_results()
+    rec = stats(4, 0.2).as_dict() | cost.as_metrics()
+    text = render(report.saves_table([rec]))
+    assert "step stall" in text and "slowdown" in text and "300.0 ms" in text and "overhead" in text
+    assert report.summarize([rec]).cost_s.p50 == pytest.approx(0.5)
