@@ -73,11 +73,15 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
 
 def commit(storage: Storage, manifest: Manifest, token: str) -> None:
     """Write the manifest, then the COMMIT marker (exclusive create: a step commits once)."""
-    data = encode_manifest(manifest)
-    path = layout.manifest_name(manifest.step, token)
+    commit_bytes(storage, manifest.step, encode_manifest(manifest), token)
+
+
+def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> None:
+    """commit() for a manifest already encoded (every tier stores the very same bytes)."""
+    path = layout.manifest_name(step, token)
     storage.put(path, data)
-    marker = CommitMarker(manifest.step, path, manifest_digest(data))
-    storage.put(layout.commit_name(manifest.step), encode_commit(marker), exclusive=True)
+    marker = CommitMarker(step, path, manifest_digest(data))
+    storage.put(layout.commit_name(step), encode_commit(marker), exclusive=True)
 
 
 def delete_step(storage: Storage, step: int) -> None:

@@ -5,6 +5,10 @@ runs each save (stage -> write -> commit -> retention -> metrics). Saves run one
 requested while the previous one still writes waits for it (reported as wait_prev_s), because both
 would share the one staging pool. The guard (a global optimizer step pre-hook) blocks the next
 optimizer.step() until the snapshot no longer reads live parameters or optimizer state.
+
+Across ranks (a torch.distributed process group of more than one rank), every rank writes its own
+shards to its local tier and the coordinator (coordinator.py) commits the step through the store;
+construction and restore() are collective calls, save() is not (it never waits on another rank).
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import catalog, layout
+from .assign import UNIQUE, LeafInfo, assign_regions
 from .codecs import Codec
-from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
+from .coordinator import LocalCoordinator, StoreCoordinator, new_namespace, tier_id
+from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from .metrics import SaveStats, append_jsonl, log_save
 from .options import ManagerOptions, SnapshotMode
 from .plan import PackPlan, plan_pack
-from .restore import restore_into
+from .restore import RestorePlan, Sources, execute, plan_restore
 from .staging import StagingPool
 from .storage import LocalStorage
-from .tree import flatten_state
+from .tree import FlatState, flatten_state
 from .writer import SaveJob, run_save
 
 log = logging.getLogger("checkpointing")
@@ -89,6 +95,7 @@ class CheckpointManager:
         direct_io: bool = True,
         fsync: bool = True,
         codecs: tuple[Codec, ...] | list[Codec] = (),
+        timeout_s: float = 600.0,
     ) -> None:
         if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir):
             raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a directory path")
@@ -96,20 +103,31 @@ class CheckpointManager:
             keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes,
             chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync,
             incremental=incremental, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
+            timeout_s=timeout_s,
         )
-        _check_single_rank(process_group)
+        group = _resolve_group(process_group)
         try:
             self.storage = LocalStorage(local_dir, direct=direct_io, fsync=fsync)
         except OSError as exc:
             raise CheckpointConfigError(f"cannot use {local_dir!s} as the checkpoint directory: {exc}") from exc
         self.directory = self.storage.root
+        self._group = group
+        if group is None:
+            self._coord: LocalCoordinator | StoreCoordinator = LocalCoordinator(self.storage)
+        else:
+            self._coord = StoreCoordinator(self.storage, group, timeout_s=self.options.timeout_s, namespace=new_namespace(_group_name(group)))
+        self.rank = self._coord.rank
+        self.world_size = self._coord.world_size
         self._pool = StagingPool()
-        self._plan_cache: tuple[tuple, PackPlan] | None = None
+        self._plan_cache: tuple[tuple, tuple[PackPlan, list[int]]] | None = None
         self._current: SaveJob | None = None
+        self._seq = 0
         self._stats: list[SaveStats] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._remove_incomplete()
+        if self._coord.leader:  # one rank per local tier tidies it, before anyone writes there
+            self._remove_incomplete()
+        self._coord.barrier("started")
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._io_loop, name="ckpt-io", daemon=True)
         self._thread.start()
@@ -119,7 +137,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ public API
 
     def save(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None) -> SaveHandle:
-        """Snapshot `state` as `step`; returns once the training loop may go on."""
+        """Snapshot `state` as `step`; returns once the training loop may go on.
+
+        With several ranks every rank calls save() with the same step; none waits for the others.
+        """
         t0 = time.perf_counter()
         wall = time.time()
         self._check_open()
@@ -130,18 +151,25 @@ class CheckpointManager:
             prev.done.wait()
             self._raise_job_error(prev)
         wait_prev_s = time.perf_counter() - t0 if prev is not None else 0.0
-        if step in self.steps():
-            raise CheckpointError(
-                f"step {step} is already committed in {self.directory}: checkpoints are immutable; "
-                "save under a new step number (or delete that step first)"
-            )
-        flat = flatten_state(state, codecs=self.options.codecs, eager=eager if eager is not None else self.options.snapshot == "eager")
-        plan = self._plan_for(flat)
+        seq = self._seq
+        self._seq += 1
+        try:
+            if step in self.steps():
+                raise CheckpointError(
+                    f"step {step} is already committed in {self.directory}: checkpoints are immutable; "
+                    "save under a new step number (or delete that step first)"
+                )
+            flat = flatten_state(state, codecs=self.options.codecs, eager=eager if eager is not None else self.options.snapshot == "eager")
+            plan, regions = self._plan_for(flat)
+        except BaseException as exc:
+            if self.world_size > 1:  # the other ranks are saving this step: tell them it failed here
+                self._fail_without_saving(step, seq, exc, t0, wall, wait_prev_s)
+            raise
         start_event = None
         if any(leaf.tensor.is_cuda for leaf in flat.leaves):
             start_event = torch.cuda.Event()
             start_event.record(torch.cuda.current_stream())
-        job = SaveJob(step, flat, plan, t0, wall, wait_prev_s, start_event=start_event)
+        job = SaveJob(step, flat, plan, regions, t0, wall, wait_prev_s, start_event=start_event, seq=seq)
         self._current = job
         self._queue.put(job)
         job.eager_staged.wait()
@@ -149,6 +177,15 @@ class CheckpointManager:
             torch.cuda.current_stream().wait_event(job.eager_event)
         job.call_s = time.perf_counter() - t0 - wait_prev_s
         return SaveHandle(self, job)
+
+    def _fail_without_saving(self, step: int, seq: int, exc: BaseException, t0: float, wall: float, wait_prev_s: float) -> None:
+        """Run a save that failed inside save() through the coordinator, so the other ranks hear why."""
+        job = SaveJob(step, FlatState({"dict": []}, []), plan_pack([], [], chunk_bytes=4096, budget=None), [], t0, wall, wait_prev_s, seq=seq)
+        job.error = exc
+        job.error_reported = True  # raised right now, in save()
+        job.release_waiters()
+        self._current = job
+        self._queue.put(job)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save is durable; raise the error of a failed one (once)."""
@@ -168,19 +205,71 @@ class CheckpointManager:
             self._guard(self._current)
 
     def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
-        """Restore `step` (default: the newest committed) into `state` in place; None if there is none."""
+        """Restore `step` (default: the newest committed one every rank can read) into `state` in place.
+
+        Returns the step, or None when there is none. With several ranks this is a collective call:
+        the ranks agree on the step first, and each reads only the chunks it needs (resharding
+        DTensors when the world size or the sharding changed).
+        """
         self._check_open()
         if self._current is not None:
             self._current.done.wait()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                return None
-        manifest = catalog.load_manifest(self.storage, step)
+        chosen, plans = self._agree_on_step(state, step, strict)
+        if chosen is None:
+            return None
+        plan, sources = plans[chosen]
         t0 = time.perf_counter()
-        restore_into(state, manifest, self.storage, codecs=self.options.codecs, strict=strict)
-        log.info("checkpointing: restored step %d (%.1f MB) in %.3f s from %s", step, manifest.nbytes / 1e6, time.perf_counter() - t0, self.directory)
-        return step
+        execute(plan, state, sources)
+        log.info("checkpointing: rank %d restored step %d (%.1f MB in the checkpoint) in %.3f s from %s",
+                 self.rank, chosen, plan.manifest.nbytes / 1e6, time.perf_counter() - t0, self.directory)
+        return chosen
+
+    def _agree_on_step(self, state: Mapping[str, Any], step: int | None, strict: bool) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
+        """Plan the restore of each candidate step; with several ranks, agree on one every rank can read."""
+        committed = self.steps()
+        candidates = [step] if step is not None else sorted(committed, reverse=True)
+        plans: dict[int, tuple[RestorePlan, Sources]] = {}
+        notes = [] if committed else [f"its local tier {self.directory} holds no committed step"]
+        error: BaseException | None = None
+        for s in candidates:
+            if s not in committed:
+                notes.append(f"step {s} is not committed in its local tier {self.directory}")
+                continue
+            try:
+                manifest = catalog.load_manifest(self.storage, s)
+                plan = plan_restore(state, manifest, rank=self.rank, world_size=self.world_size, codecs=self.options.codecs, strict=strict)
+            except CheckpointCorruptError as exc:
+                if step is not None or self.world_size == 1:
+                    error = exc
+                    break
+                notes.append(f"step {s}: {exc}")
+                log.warning("checkpointing: rank %d cannot use step %d: %s", self.rank, s, exc)
+                continue
+            except (CheckpointError, TypeError) as exc:
+                error = exc
+                break
+            sources = Sources(manifest, self.storage, self._coord.tiers[self.rank], where=f" (its local tier is {self.directory}; no remote tier is configured)")
+            missing = plan.missing(sources)
+            if missing:
+                notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {self.directory} does not hold, e.g. {missing[0]}")
+                continue
+            plans[s] = (plan, sources)
+            if self.world_size == 1 and step is None:
+                break  # one rank: the newest readable step is the answer
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            if step is not None and step not in plans:
+                raise CheckpointNotFoundError(f"step {step} cannot be restored: {'; '.join(notes)}")
+            return (max(plans) if plans else None), plans
+        failure = None if error is None else f"{type(error).__name__}: {error}"
+        try:
+            chosen = self._coord.agree_restore(sorted(plans), "; ".join(notes) or "it can", step, error=failure)
+        except CheckpointError:
+            if error is not None:
+                raise error from None
+            raise
+        return chosen, plans
 
     def steps(self) -> list[int]:
         """Committed steps on the local tier, ascending."""
@@ -211,6 +300,7 @@ class CheckpointManager:
             self._queue.put(None)
             self._thread.join()
             self._pool.release()
+            self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -240,14 +330,31 @@ class CheckpointManager:
                 raise job.error
             raise CheckpointSaveError(job.step, job.error) from job.error
 
-    def _plan_for(self, flat: Any) -> PackPlan:
+    def _plan_for(self, flat: FlatState) -> tuple[PackPlan, list[int]]:
+        """The pack plan and each leaf's region; cached while the state's shape does not change."""
         sizes = [leaf.tensor.numel() * leaf.tensor.element_size() for leaf in flat.leaves]
         deferred = [leaf.deferred for leaf in flat.leaves]
-        key = (tuple(sizes), tuple(deferred))
-        if self._plan_cache is None or self._plan_cache[0] != key:
-            plan = plan_pack(sizes, deferred, chunk_bytes=self.options.chunk_bytes, budget=self.options.staging_budget_bytes)
-            self._plan_cache = (key, plan)
+        holders = [None if leaf.layout is None else self._group_ranks(leaf.layout.replicas) for leaf in flat.leaves]
+        keys = [leaf.key for leaf in flat.leaves]
+        cache_key = (tuple(sizes), tuple(deferred), tuple(keys), tuple(holders), self._coord.per_rank_keys)
+        if self._plan_cache is None or self._plan_cache[0] != cache_key:
+            budget = self.options.staging_budget_bytes
+            if budget is not None and budget < sum(sizes):
+                regions = [UNIQUE] * len(sizes)  # a ring streams the pack in order: each rank writes all it holds
+            else:
+                infos = [LeafInfo(k, n, h) for k, n, h in zip(keys, sizes, holders)]
+                regions = assign_regions(infos, rank=self.rank, tiers=self._coord.tiers, per_rank_keys=self._coord.per_rank_keys)
+            plan = plan_pack(sizes, deferred, chunk_bytes=self.options.chunk_bytes, budget=budget, regions=regions)
+            self._plan_cache = (cache_key, (plan, regions))
         return self._plan_cache[1]
+
+    def _group_ranks(self, global_ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """Ranks of the process group for the global ranks a DTensor mesh names."""
+        if self._group is None:
+            return (0,) if global_ranks else ()
+        import torch.distributed as dist
+
+        return tuple(sorted(dist.get_group_rank(self._group, r) for r in global_ranks))
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         job = self._current
@@ -273,17 +380,43 @@ class CheckpointManager:
             job = self._queue.get()
             if job is None:
                 return
+            self._run(job)
+
+    def _run(self, job: SaveJob) -> None:
+        """Write this rank's part, commit through the coordinator, retain, record. Never raises."""
+        coord = self._coord
+        try:
             try:
-                run_save(job, self._pool, self.storage, write_block=self.options.write_block_bytes)
-            except BaseException as exc:  # reported at the next save()/wait()
+                if job.error is not None:
+                    raise job.error  # it failed inside save(): the other ranks must hear of it
+                part = run_save(job, self._pool, self.storage, write_block=self.options.write_block_bytes, rank=self.rank, exchange=coord)
+            except BaseException as exc:
+                job.release_waiters()
+                coord.fail(job, exc)
+                if self.world_size > 1:
+                    coord.finish(job)  # rank 0 still coordinates; every rank waits for the verdict
+                raise
+            try:
+                job.manifest = coord.commit(job, part)
+            except BaseException:
+                self.storage.delete(part.file)  # nothing will ever reference this pack
+                raise
+            job.t_committed = time.perf_counter()
+        except BaseException as exc:  # reported at the next save()/wait()
+            if not job.error_reported:
                 job.error = exc
-            job.release_waiters()
-            try:
-                if job.error is None:
-                    catalog.apply_retention(self.storage, self.options.keep_local, protect=job.step)
-            except Exception as exc:  # retention is retried after the next commit; never stop the thread
-                log.warning("checkpointing: retention after step %d failed: %s", job.step, exc)
-            finally:
+            elif exc is not job.error:
+                log.error("checkpointing: rank %d, step %d: %s", self.rank, job.step, exc)
+        job.release_waiters()
+        try:
+            if job.error is None and coord.leader:
+                catalog.apply_retention(self.storage, self.options.keep_local, protect=job.step)
+        except Exception as exc:  # retention is retried after the next commit; never stop the thread
+            log.warning("checkpointing: retention after step %d failed: %s", job.step, exc)
+        finally:
+            if job.error_reported:  # failed inside save(): raised there, nothing to record
+                job.done.set()
+            else:
                 self._finish(job)
 
     def _finish(self, job: SaveJob) -> None:
@@ -305,7 +438,7 @@ class CheckpointManager:
                 total_s=end - job.t_call - job.wait_prev_s,
                 bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if ok else 0, bytes_reused=0,
                 write_bytes_per_s=job.bytes_written / write_s if ok and write_s > 0 else 0.0,
-                staging_bytes=self._pool.capacity, time=job.wall_time,
+                staging_bytes=self._pool.capacity, time=job.wall_time, rank=self.rank, world_size=self.world_size,
             )
         with self._lock:
             self._stats.append(stats)
@@ -330,16 +463,24 @@ def _finish_saves_at_exit() -> None:
             log.error("checkpointing: at exit: %s", exc)
 
 
-def _check_single_rank(process_group: Any) -> None:
+def _resolve_group(process_group: Any) -> Any:
+    """The process group to coordinate over, or None for a single rank."""
     import torch.distributed as dist
 
-    world = 1
-    if process_group is not None:
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    try:
         world = dist.get_world_size(process_group)
-    elif dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    if world > 1:
-        raise CheckpointConfigError(
-            f"this version checkpoints one rank; the process group has {world} ranks. "
-            "Run with one process, or pass process_group=None outside torch.distributed"
-        )
+        rank = dist.get_rank(process_group)
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointConfigError(f"process_group={process_group!r} is not usable: {exc}") from exc
+    if rank < 0:
+        raise CheckpointConfigError("this process is not a member of process_group: create the manager on its ranks only")
+    return None if world == 1 else process_group
+
+
+def _group_name(group: Any) -> str:
+    name = getattr(group, "group_name", None)
+    return str(name) if name else "world"

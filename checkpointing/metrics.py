@@ -20,7 +20,8 @@ class SaveStats:
         guard_wait_s); the loop's total blocked time is wait_prev_s + stall_s.
     guard_wait_s: the part of stall_s spent in the guard before the next optimizer.step().
     snapshot_s: save() entry to the last byte staged. write_s: staged to pack data durable.
-    commit_s: manifest + commit marker durable. total_s: save() entry to committed.
+    commit_s: manifest + commit marker durable (with several ranks: reporting to rank 0, its merge,
+        and every local tier's commit). total_s: save() entry to committed.
     """
 
     step: int
@@ -40,6 +41,8 @@ class SaveStats:
     staging_bytes: int
     tier: str = "local"
     time: float = 0.0  # wall-clock time.time() when the save was requested
+    rank: int = 0  # of the process group; ranks sharing a directory append to one metrics.jsonl
+    world_size: int = 1
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:

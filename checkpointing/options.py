@@ -27,6 +27,8 @@ class ManagerOptions:
     write_block_bytes: size of one write syscall to the pack file.
     direct_io: use O_DIRECT for pack writes where the filesystem supports it.
     fsync: make every write durable before the commit marker (turn off only for tests).
+    timeout_s: longest wait for another rank (its report, rank 0's verdict, a restore agreement)
+        before the save or restore fails with an error naming the ranks that did not answer.
     """
 
     keep_local: int | None = 2
@@ -41,6 +43,7 @@ class ManagerOptions:
     remote: str | None = None
     storage_options: Mapping[str, Any] | None = None
     codecs: tuple[Codec, ...] = ()
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("keep_local", "keep_remote"):
@@ -73,6 +76,8 @@ class ManagerOptions:
                 f"remote={self.remote!r}: the remote tier is not available in this version; "
                 "pass remote=None and copy the local directory yourself"
             )
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise CheckpointConfigError(f"timeout_s={self.timeout_s!r} is invalid: pass a number of seconds > 0")
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")

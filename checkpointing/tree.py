@@ -25,6 +25,7 @@ import torch
 from .codecs import Codec, find_codec
 from .errors import ManifestError, StateError
 from .manifest import check_tree
+from .sharding import ShardLayout, dtensor_layout, is_dtensor, local_tensor
 
 NUMPY_KINDS = frozenset("biufc")
 MAX_INT_BITS = 4096  # far below CPython's int <-> str conversion limit
@@ -35,8 +36,9 @@ class Leaf:
     """One tensor to checkpoint. `tensor` is live user memory until the snapshot copies it."""
 
     key: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # for a DTensor: its local shard
     deferred: bool  # True: copying may wait until the guard (only the optimizer step mutates it)
+    layout: ShardLayout | None = None  # set for DTensor shards; None: a plain (per-rank) tensor
 
 
 @dataclasses.dataclass
@@ -152,7 +154,7 @@ class _Walker:
                 deferred = True  # optimizer state changes only inside optimizer.step()
             elif isinstance(obj, torch.nn.Module):
                 # parameters change only in optimizer.step(); buffers (BatchNorm stats) change in forward
-                deferred = frozenset(p.untyped_storage().data_ptr() for p in obj.parameters())
+                deferred = frozenset(local_tensor(p).untyped_storage().data_ptr() for p in obj.parameters())
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
             raise StateError(f"state[{join_key(path)!r}].state_dict() returned a {type(sd).__name__}, not a dict")
@@ -168,21 +170,21 @@ class _Walker:
 
     def add_tensor(self, t: torch.Tensor, path: tuple, deferred: frozenset | bool) -> int:
         key = join_key(path)
-        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            raise StateError(
-                f"state[{key!r}] is a {class_name(t)}: tensor subclasses (DTensor included) need the "
-                "multi-rank support; pass t.full_tensor() or a plain tensor"
-            )
+        layout = None
+        if is_dtensor(t):
+            t, layout = dtensor_layout(t.detach(), key)
+        elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise StateError(f"state[{key!r}] is a {class_name(t)}: pass a plain tensor or a DTensor (tensor subclasses are not supported)")
         if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise StateError(f"state[{key!r}] is a {t.layout}/{t.device.type} tensor: convert it to a dense tensor first")
         t = t.detach()
         storage_ptr = t.untyped_storage().data_ptr()
-        alias_key = (t.device, storage_ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        alias_key = (t.device, storage_ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, layout)
         if t.numel() and alias_key in self._alias:
             return self._alias[alias_key]
         if isinstance(deferred, frozenset):
             deferred = storage_ptr in deferred
-        self.leaves.append(Leaf(key, t, bool(deferred) and not self.eager))
+        self.leaves.append(Leaf(key, t, bool(deferred) and not self.eager, layout))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1
 

@@ -27,6 +27,7 @@ from checkpointing.manifest import (
     FORMAT_VERSION,
     MAX_TREE_DEPTH,
     ChunkRef,
+    FileEntry,
     CommitMarker,
     Manifest,
     ShardEntry,
@@ -51,13 +52,15 @@ ROUNDTRIP = settings(max_examples=120, deadline=None, suppress_health_check=[Hea
 
 TOKEN = "0123456789ab"
 PACK = layout.pack_name(7, 0, TOKEN)
+PACK1 = layout.pack_name(7, 1, TOKEN)
 
 
-def _chunk(offset: int, length: int, seed: int) -> ChunkRef:
-    return ChunkRef(PACK, offset, length, chunk_digest(memoryview(bytes((seed + i) % 256 for i in range(length)))))
+def _chunk(offset: int, length: int, seed: int, file: str = PACK) -> ChunkRef:
+    return ChunkRef(file, offset, length, chunk_digest(memoryview(bytes((seed + i) % 256 for i in range(length)))))
 
 
-def golden_manifest() -> Manifest:
+def golden_manifest_v1() -> Manifest:
+    """What tests/golden/manifest_v1.json (written by version 1 of the format) decodes to."""
     tree = {
         "dict": [
             [
@@ -93,7 +96,24 @@ def golden_manifest() -> Manifest:
         TensorEntry("model/bias", "bfloat16", (3,), (ShardEntry((0,), (3,), (_chunk(128, 6, 3),)),)),
         TensorEntry("arr", "int64", (2,), (ShardEntry((0,), (2,), (_chunk(192, 16, 4),)),)),
     )
-    return Manifest(step=7, tree=tree, tensors=tensors)
+    return Manifest.single(7, tree, tensors)
+
+
+def golden_manifest() -> Manifest:
+    """Two ranks: a sharded tensor (one shard per rank), a replicated one (written by rank 0, with a
+    replica on rank 1's tier), per-rank values (two trees) and the file table."""
+    v1 = golden_manifest_v1()
+    tree1 = json.loads(json.dumps(v1.tree))
+    tree1["dict"][2][1]["dict"][1][1] = {"value": 0.002}  # rank 1 saved another lr
+    tensors = v1.tensors + (
+        TensorEntry("emb", "float16", (4, 2), (
+            ShardEntry((0, 0), (2, 2), (_chunk(256, 8, 5),)),
+            ShardEntry((2, 0), (2, 2), (_chunk(0, 8, 6, PACK1),)),
+        )),
+        TensorEntry("step", "int64", (), (ShardEntry((), (), (_chunk(264, 8, 7),), ((_chunk(8, 8, 7, PACK1),),)),)),
+    )
+    files = (FileEntry(PACK, 0, "tier-a", 272, 272), FileEntry(PACK1, 1, "tier_b", 16, 8))
+    return Manifest(step=7, trees=(v1.tree, tree1), tensors=tensors, world_size=2, rank_trees=(0, 1), files=files)
 
 
 def golden_commit() -> CommitMarker:
@@ -103,8 +123,8 @@ def golden_commit() -> CommitMarker:
 
 def _write_golden() -> None:  # run once by hand: UPDATE_GOLDEN=1 pytest tests/test_manifest.py
     GOLDEN.mkdir(exist_ok=True)
-    (GOLDEN / "manifest_v1.json").write_bytes(encode_manifest(golden_manifest()))
-    (GOLDEN / "commit_v1.json").write_bytes(encode_commit(golden_commit()))
+    (GOLDEN / "manifest_v2.json").write_bytes(encode_manifest(golden_manifest()))
+    (GOLDEN / "commit_v2.json").write_bytes(encode_commit(golden_commit()))
 
 
 if os.environ.get("UPDATE_GOLDEN") == "1":
@@ -112,31 +132,42 @@ if os.environ.get("UPDATE_GOLDEN") == "1":
 
 
 def test_golden_manifest_bytes():
-    expected = (GOLDEN / "manifest_v1.json").read_bytes()
+    expected = (GOLDEN / "manifest_v2.json").read_bytes()
     assert encode_manifest(golden_manifest()) == expected
     assert decode_manifest(expected, WHERE) == golden_manifest()
 
 
+def test_version_1_manifests_still_read():
+    """Checkpoints written by format version 1 (one rank) decode to the same one-rank manifest."""
+    raw = (GOLDEN / "manifest_v1.json").read_bytes()
+    assert json.loads(raw)["format_version"] == 1
+    m = decode_manifest(raw, WHERE)
+    assert m == golden_manifest_v1()
+    assert m.world_size == 1 and m.rank_trees == (0,) and m.files[0].tier == ""
+    commit = decode_commit((GOLDEN / "commit_v1.json").read_bytes(), WHERE)
+    assert commit.manifest_digest == manifest_digest(raw)
+
+
 def test_golden_commit_bytes():
-    expected = (GOLDEN / "commit_v1.json").read_bytes()
+    expected = (GOLDEN / "commit_v2.json").read_bytes()
     assert encode_commit(golden_commit()) == expected
     assert decode_commit(expected, WHERE) == golden_commit()
     # the commit names the manifest by its sha256: the golden manifest bytes are what it commits to
-    assert golden_commit().manifest_digest == manifest_digest((GOLDEN / "manifest_v1.json").read_bytes())
+    assert golden_commit().manifest_digest == manifest_digest((GOLDEN / "manifest_v2.json").read_bytes())
 
 
 def test_golden_bytes_are_canonical():
-    for name in ("manifest_v1.json", "commit_v1.json"):
+    for name in ("manifest_v2.json", "commit_v2.json"):
         raw = (GOLDEN / name).read_bytes()
         text = raw.decode("utf-8")  # UTF-8, not \u escapes
         obj = json.loads(text)
         assert raw == json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         assert not raw.endswith(b"\n")
         assert b": " not in raw and b", " not in raw.replace("ß→€ 😀".encode(), b"")
-    raw = (GOLDEN / "manifest_v1.json").read_bytes()
+    raw = (GOLDEN / "manifest_v2.json").read_bytes()
     assert "ünï/cødé".encode("utf-8") in raw and b"\\u" not in raw
     assert list(json.loads(raw)) == sorted(json.loads(raw))
-    assert json.loads(raw)["format_version"] == FORMAT_VERSION == 1
+    assert json.loads(raw)["format_version"] == FORMAT_VERSION == 2
     assert json.loads(raw)["chunk_digest"] == CHUNK_DIGEST
 
 
@@ -232,12 +263,26 @@ def tensor_entry(draw) -> TensorEntry:
 @st.composite
 def manifests(draw) -> Manifest:
     tensors = tuple(draw(st.lists(tensor_entry(), max_size=4)))
-    tree = draw(tree_st(len(tensors)))
+    trees = tuple(draw(st.lists(tree_st(len(tensors)), min_size=1, max_size=3)))
+    world_size = draw(st.integers(len(trees), 1024))
+    rank_trees = tuple(range(len(trees))) + tuple(draw(st.lists(st.integers(0, len(trees) - 1), min_size=world_size - len(trees), max_size=world_size - len(trees))))
+    ends: dict[str, int] = {}
+    for t in tensors:
+        for sh in t.shards:
+            for c in sh.chunks:
+                ends[c.file] = max(ends.get(c.file, 0), c.offset + c.length)
+    files = []
+    for path, end in sorted(ends.items()):
+        nbytes = end + draw(st.integers(0, 4096))
+        tier = draw(st.text(alphabet="abcXYZ019_-", max_size=64))
+        files.append(FileEntry(path, draw(st.integers(0, world_size - 1)), tier, nbytes, draw(st.integers(0, nbytes))))
     return Manifest(
         step=draw(st.integers(0, layout.MAX_STEP)),
-        tree=tree,
+        trees=trees,
         tensors=tensors,
-        world_size=draw(st.integers(1, 1024)),
+        world_size=world_size,
+        rank_trees=rank_trees,
+        files=tuple(files),
     )
 
 
@@ -277,9 +322,9 @@ def _chain(depth: int) -> dict:
 
 
 def test_tree_depth_limit_is_exact():
-    ok = Manifest(step=1, tree=_chain(MAX_TREE_DEPTH), tensors=())
+    ok = Manifest.single(1, _chain(MAX_TREE_DEPTH), ())
     assert decode_manifest(encode_manifest(ok), WHERE) == ok
-    too_deep = Manifest(step=1, tree=_chain(MAX_TREE_DEPTH + 1), tensors=())
+    too_deep = Manifest.single(1, _chain(MAX_TREE_DEPTH + 1), ())
     with pytest.raises(ManifestError, match="nesting deeper"):
         decode_manifest(encode_manifest(too_deep), WHERE)
 
@@ -473,7 +518,7 @@ _DELETE = object()
 CHUNK0 = "tensors__0__shards__0__chunks__0"
 
 INVALID_MANIFESTS = {
-    "format_version 2": _manifest_with(format_version=2),
+    "format_version 3": _manifest_with(format_version=3),
     "format_version 0": _manifest_with(format_version=0),
     "format_version '1'": _manifest_with(format_version="1"),
     "format_version missing": _manifest_with(format_version=_DELETE),
@@ -512,31 +557,50 @@ INVALID_MANIFESTS = {
     "chunk digest uppercase": _manifest_with(**{CHUNK0 + "__3": "xxh3-128:" + "A" * 32}),
     "chunk digest trailing newline": _manifest_with(**{CHUNK0 + "__3": "xxh3-128:" + "a" * 32 + "\n"}),
     "chunk of 3 fields": _manifest_with(**{CHUNK0: ["a", 0, 16]}),
-    "tree missing": _manifest_with(tree=_DELETE),
-    "tree root a list node": _manifest_with(tree={"list": []}),
-    "tree root stateful": _manifest_with(tree={"stateful": {"dict": []}, "class": "X"}),
-    "tree tensor index out of range": _manifest_with(tree={"dict": [["a", {"tensor": 3}]]}),
-    "tree tensor index negative": _manifest_with(tree={"dict": [["a", {"tensor": -1}]]}),
-    "tree tensor index float": _manifest_with(tree={"dict": [["a", {"tensor": 0.0}]]}),
-    "tree unknown node": _manifest_with(tree={"dict": [["a", {"pickle": "gASV"}]]}),
-    "tree empty node": _manifest_with(tree={"dict": [["a", {}]]}),
-    "tree bool key": _manifest_with(tree={"dict": [[True, {"value": 1}]]}),
-    "tree float key": _manifest_with(tree={"dict": [[1.5, {"value": 1}]]}),
-    "tree value a list": _manifest_with(tree={"dict": [["a", {"value": [1]}]]}),
-    "tree value infinite (1e999)": _manifest_with(tree={"dict": [["a", {"value": 1e999}]]}).replace(b"Infinity", b"1e999"),
-    "tree float bogus": _manifest_with(tree={"dict": [["a", {"float": "NaN"}]]}),
-    "tree bytes not a string": _manifest_with(tree={"dict": [["a", {"bytes": [1, 2]}]]}),
-    "tree stateful of an int": _manifest_with(tree={"dict": [["a", {"stateful": 5, "class": "X"}]]}),
-    "tree stateful of null": _manifest_with(tree={"dict": [["a", {"stateful": None, "class": "X"}]]}),
-    "tree stateful of a string": _manifest_with(tree={"dict": [["a", {"stateful": "dict", "class": "X"}]]}),
-    "tree stateful without class": _manifest_with(tree={"dict": [["a", {"stateful": {"dict": []}}]]}),
-    "tree codec without data": _manifest_with(tree={"dict": [["a", {"codec": "x"}]]}),
-    "tree list and tuple": _manifest_with(tree={"dict": [["a", {"list": [], "tuple": []}]]}),
-    "tree 65 levels": _manifest_with(tree=_chain(MAX_TREE_DEPTH + 1)),
+    "tree missing": _manifest_with(trees=_DELETE),
+    "tree root a list node": _manifest_with(trees__0={"list": []}),
+    "tree root stateful": _manifest_with(trees__0={"stateful": {"dict": []}, "class": "X"}),
+    "tree tensor index out of range": _manifest_with(trees__0={"dict": [["a", {"tensor": 5}]]}),
+    "tree tensor index negative": _manifest_with(trees__0={"dict": [["a", {"tensor": -1}]]}),
+    "tree tensor index float": _manifest_with(trees__0={"dict": [["a", {"tensor": 0.0}]]}),
+    "tree unknown node": _manifest_with(trees__0={"dict": [["a", {"pickle": "gASV"}]]}),
+    "tree empty node": _manifest_with(trees__0={"dict": [["a", {}]]}),
+    "tree bool key": _manifest_with(trees__0={"dict": [[True, {"value": 1}]]}),
+    "tree float key": _manifest_with(trees__0={"dict": [[1.5, {"value": 1}]]}),
+    "tree value a list": _manifest_with(trees__0={"dict": [["a", {"value": [1]}]]}),
+    "tree value infinite (1e999)": _manifest_with(trees__0={"dict": [["a", {"value": 1e999}]]}).replace(b"Infinity", b"1e999"),
+    "tree float bogus": _manifest_with(trees__0={"dict": [["a", {"float": "NaN"}]]}),
+    "tree bytes not a string": _manifest_with(trees__0={"dict": [["a", {"bytes": [1, 2]}]]}),
+    "tree stateful of an int": _manifest_with(trees__0={"dict": [["a", {"stateful": 5, "class": "X"}]]}),
+    "tree stateful of null": _manifest_with(trees__0={"dict": [["a", {"stateful": None, "class": "X"}]]}),
+    "tree stateful of a string": _manifest_with(trees__0={"dict": [["a", {"stateful": "dict", "class": "X"}]]}),
+    "tree stateful without class": _manifest_with(trees__0={"dict": [["a", {"stateful": {"dict": []}}]]}),
+    "tree codec without data": _manifest_with(trees__0={"dict": [["a", {"codec": "x"}]]}),
+    "tree list and tuple": _manifest_with(trees__0={"dict": [["a", {"list": [], "tuple": []}]]}),
+    "tree 65 levels": _manifest_with(trees__0=_chain(MAX_TREE_DEPTH + 1)),
+    "trees empty": _manifest_with(trees=[]),
+    "rank_trees too short": _manifest_with(rank_trees=[0]),
+    "rank_trees index out of range": _manifest_with(rank_trees=[0, 2]),
+    "rank_trees leaves a tree unused": _manifest_with(rank_trees=[0, 0]),
+    "rank_trees missing": _manifest_with(rank_trees=_DELETE),
+    "files missing": _manifest_with(files=_DELETE),
+    "files lacks a chunk's file": _manifest_with(files=[["step-0000000007/r00000.0123456789ab.pack", 0, "a", 272, 272]]),
+    "file listed twice": _manifest_with(files__1__0="step-0000000007/r00000.0123456789ab.pack"),
+    "file path escapes": _manifest_with(files__0__0="../r.pack"),
+    "file rank >= world_size": _manifest_with(files__1__1=2),
+    "file tier with a slash": _manifest_with(files__0__2="a/b"),
+    "file tier too long": _manifest_with(files__0__2="a" * 65),
+    "file primary_bytes > nbytes": _manifest_with(files__1__4=17),
+    "file of 4 fields": _manifest_with(files__0=["step-0000000007/r00000.0123456789ab.pack", 0, 272, 272]),
+    "chunk past the end of its file": _manifest_with(files__1__3=15, files__1__4=8),
+    "replica digest differs": _manifest_with(tensors__4__shards__0__replicas__0__0__3="xxh3-128:" + "0" * 32),
+    "replica length differs": _manifest_with(tensors__4__shards__0__replicas__0__0__2=9),
+    "replicas not a list": _manifest_with(tensors__4__shards__0__replicas={}),
+    "overlapping shards": _manifest_with(tensors__3__shards__1__offsets=[1, 0], tensors__3__shards__0__shape=[2, 2]),
     "JSON NaN constant": GOLDEN_BYTES.replace(b'"step":7', b'"step":NaN'),
     "JSON Infinity constant": GOLDEN_BYTES.replace(b'"step":7', b'"step":Infinity'),
-    "10000-level JSON nesting in the tree": GOLDEN_BYTES.replace(b'"tree":{', b'"tree":{"x":' + b"[" * 10000 + b"]" * 10000 + b","),
-    "10000 nested tree dicts": GOLDEN_BYTES.replace(b'"tree":', b'"tree":' + b'{"dict":[["k",' * 10000 + b'{"value":1}' + b"]]}" * 10000 + b',"x":'),
+    "10000-level JSON nesting in the tree": GOLDEN_BYTES.replace(b'"trees":[{', b'"trees":[{"x":' + b"[" * 10000 + b"]" * 10000 + b",", 1),
+    "10000 nested tree dicts": GOLDEN_BYTES.replace(b'"trees":[', b'"trees":[' + b'{"dict":[["k",' * 10000 + b'{"value":1}' + b"]]}" * 10000 + b",", 1),
     "int with 5000 digits": GOLDEN_BYTES.replace(b'"step":7', b'"step":' + b"9" * 5000),
     "UTF-16": GOLDEN_BYTES.decode().encode("utf-16"),
     "UTF-8 BOM": b"\xef\xbb\xbf" + GOLDEN_BYTES,
@@ -566,7 +630,7 @@ def _commit_with(**edits) -> bytes:
 
 
 INVALID_COMMITS = {
-    "format_version 2": _commit_with(format_version=2),
+    "format_version 3": _commit_with(format_version=3),
     "format_version missing": _commit_with(format_version=_DELETE),
     "step negative": _commit_with(step=-7),
     "step string": _commit_with(step="7"),
@@ -597,7 +661,7 @@ def test_unknown_dtype_message_lists_known_dtypes_and_where():
 
 
 def test_newer_format_version_message_says_upgrade():
-    err = _expect_manifest_error(decode_manifest, INVALID_MANIFESTS["format_version 2"])
+    err = _expect_manifest_error(decode_manifest, INVALID_MANIFESTS["format_version 3"])
     assert "upgrade" in str(err)
 
 

@@ -20,7 +20,7 @@ import pytest
 from checkpointing import catalog, layout
 from checkpointing.errors import CheckpointCorruptError, CheckpointNotFoundError, ManifestError
 from checkpointing.manifest import ChunkRef, CommitMarker, Manifest, ShardEntry, TensorEntry, encode_commit, encode_manifest, manifest_digest
-from checkpointing.storage import LocalStorage, Storage
+from checkpointing.storage import FsspecStorage, LocalStorage, RetryPolicy, Storage
 
 SHM = Path("/dev/shm")
 
@@ -59,11 +59,36 @@ def _local_direct_refused(tmp_path, monkeypatch, addfinalizer):
     return LocalStorage(tmp_path / "root", direct=True)
 
 
+def _memory(tmp_path, monkeypatch, addfinalizer):
+    """fsspec's in-process memory filesystem, a unique root per test (its store is global)."""
+    s = FsspecStorage(f"memory://ckpt-contract-{uuid.uuid4().hex}/root")
+    addfinalizer(lambda: s.delete(""))
+    return s
+
+
+def _file_fsspec(tmp_path, monkeypatch, addfinalizer):
+    """A local directory through FsspecStorage (file://), not LocalStorage."""
+    return FsspecStorage(f"file://{tmp_path}/root")
+
+
+def _s3(tmp_path, monkeypatch, addfinalizer):
+    """A fresh bucket on the session's moto server (127.0.0.1). Multipart streams: tests/test_remote_storage.py."""
+    import s3_server
+
+    url, options = s3_server.new_bucket()
+    s = FsspecStorage(url, options, part_bytes=5 << 20, retry=RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05))
+    addfinalizer(s.close)
+    return s
+
+
 BACKENDS: dict[str, Callable] = {
     "local-direct": _local_direct,
     "local-buffered": _local_buffered,
     "local-shm": _local_shm,
     "local-direct-refused": _local_direct_refused,
+    "memory": _memory,
+    "file-fsspec": _file_fsspec,
+    "s3": _s3,
 }
 
 
@@ -339,7 +364,7 @@ def make_manifest(step: int, token: str = "tok") -> Manifest:
     pack = layout.pack_name(step, 0, token)
     tree = {"dict": [["w", {"tensor": 0}], ["step", {"value": step}]]}
     tensors = (TensorEntry("w", "float32", (4,), (ShardEntry((0,), (4,), (ChunkRef(pack, 0, 16, "xxh3-128:" + "1" * 32),)),)),)
-    return Manifest(step=step, tree=tree, tensors=tensors)
+    return Manifest.single(step, tree, tensors)
 
 
 def commit_step(storage, step: int, token: str = "tok") -> Manifest:

@@ -52,7 +52,7 @@ def as_manifest(flat, step: int = 1) -> Manifest:
         n = leaf.tensor.numel() * leaf.tensor.element_size()
         chunks = (ChunkRef("step-0000000001/r00000.abc.pack", 64 * i, n, "xxh3-128:" + "0" * 32),) if n else ()
         tensors.append(TensorEntry(leaf.key, dtype_name(leaf.tensor.dtype), shape, (ShardEntry((0,) * len(shape), shape, chunks),)))
-    return Manifest(step=step, tree=flat.tree, tensors=tuple(tensors))
+    return Manifest.single(step, flat.tree, tuple(tensors))
 
 
 def assert_restorable(flat) -> None:

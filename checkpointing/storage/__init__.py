@@ -1,6 +1,27 @@
 """Storage: one small protocol and its backends. Orchestration talks to tiers only through it."""
 
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from ..errors import CheckpointConfigError
 from .base import Storage, StreamWriter
 from .local import LocalStorage
+from .remote import FsspecStorage
+from .retry import RemoteStorageError, RetryPolicy
 
-__all__ = ["Storage", "StreamWriter", "LocalStorage"]
+__all__ = ["Storage", "StreamWriter", "LocalStorage", "FsspecStorage", "RemoteStorageError", "RetryPolicy", "open_storage"]
+
+
+def open_storage(url_or_path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Storage:
+    """The tier at `url_or_path`: a plain path is a LocalStorage directory; a URL with a scheme
+    (s3://, gs://, memory://, file://, ...) is an FsspecStorage. `kwargs` go to that class."""
+    target = os.fspath(url_or_path)
+    if "://" in target:
+        return FsspecStorage(target, storage_options, **kwargs)
+    if storage_options:
+        raise CheckpointConfigError(
+            f"storage_options were given for the local directory {target!r}: they apply only to URLs such as s3://bucket/path"
+        )
+    return LocalStorage(target, **kwargs)

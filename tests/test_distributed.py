@@ -1,0 +1,116 @@
+"""Multi-rank checkpoints with real processes on gloo (127.0.0.1): FSDP2 state, resharding,
+per-rank state, failures, a killed rank, node-local tiers. Nothing is mocked."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+import _dist
+from _dist import run_ranks
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The same training run saved on 1, 2 and 4 ranks (FSDP2 + AdamW), with its unsharded reference."""
+    tmp = tmp_path_factory.mktemp("saved")
+    out = {}
+    for n in (1, 2, 4):
+        directory, ref = str(tmp / f"ck{n}"), str(tmp / f"ref{n}.pt")
+        out[n] = (directory, ref, run_ranks(_dist.save_and_reference, n, directory, ref, tmp=tmp))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fsdp2_save_writes_each_shard_once(saved, n):
+    directory, _, stats = saved[n]
+    manifest = _manifest(directory, 3)
+    assert manifest["world_size"] == n
+    # every rank wrote only its own shards, and what several ranks hold (AdamW's step counts) once
+    itemsize = {"float32": 4, "int64": 8}
+    total = sum(math.prod(t["shape"]) * itemsize[t["dtype"]] for t in manifest["tensors"])
+    written = sum(s["bytes_written"] for s in stats)
+    assert written == total, (written, total)
+    assert max(s["bytes_written"] for s in stats) < 0.8 * total
+    # the loader position is per rank: one tree per rank; the model's tensors are sharded DTensors
+    assert len(manifest["trees"]) == n
+    emb = next(t for t in manifest["tensors"] if t["key"] == "model/emb.weight")
+    assert len(emb["shards"]) == n and emb["shape"] == [37, 24]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_restore_reshards_bit_exact(saved, m, tmp_path):
+    """Saved on N ranks, restored on M (N, M in 1, 2, 4): model and AdamW state equal the reference."""
+    dirs = [saved[n][0] for n in (1, 2, 4)]
+    refs = [saved[n][1] for n in (1, 2, 4)]
+    results = run_ranks(_dist.restore_matrix, m, dirs, refs, tmp=tmp_path)
+    assert results == [[3, 3, 3]] * m
+
+
+def test_restore_sharded_into_an_unsharded_model(saved, tmp_path):
+    dirs = [saved[n][0] for n in (2, 4)]
+    refs = [saved[n][1] for n in (2, 4)]
+    assert run_ranks(_dist.restore_plain, 1, dirs, refs, tmp=tmp_path) == [[3, 3]]
+
+
+def test_dcp_state_dict_helpers_round_trip(tmp_path):
+    assert run_ranks(_dist.dcp_helpers_roundtrip, 2, str(tmp_path / "ck"), tmp=tmp_path) == [True, True]
+
+
+def test_per_rank_values_restore_per_rank_and_refuse_other_world_sizes(tmp_path):
+    ck = str(tmp_path / "ck")
+    run_ranks(_dist.per_rank_state, 2, ck, "save", tmp=tmp_path)
+    same = run_ranks(_dist.per_rank_state, 2, ck, "same", tmp=tmp_path)
+    assert same == [(0, [0.0] * 3, [0, 1, 2, 3]), (10, [1.0] * 3, [0, 1, 2, 3])]
+    # the replicated tensor is stored once; the per-rank one twice
+    manifest = _manifest(ck, 1)
+    assert sorted(t["key"] for t in manifest["tensors"]) == ["rng", "rng", "shared"]
+    [other] = run_ranks(_dist.per_rank_state, 1, ck, "other", tmp=tmp_path)
+    assert "loader/pos" in other and "rng" in other and "saved per rank" in other
+    assert "shared" not in other.split("problem(s)")[1]
+
+
+def test_write_failure_on_one_rank_commits_nothing_and_names_it(tmp_path):
+    ck = str(tmp_path / "ck")
+    messages = run_ranks(_dist.fail_on_one_rank, 2, ck, 1, tmp=tmp_path)
+    for message in messages:
+        assert "step 2 failed" in message and "rank 1" in message and "File too large" in message, message
+        assert "rank 0:" not in message  # rank 0 only aborted: it is not named as a cause
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if (p / "COMMIT").exists()) == ["step-0000000001", "step-0000000003"]
+
+
+def test_a_killed_rank_times_out_the_others_and_a_restart_restores(tmp_path):
+    ck = str(tmp_path / "ck")
+    results = run_ranks(_dist.killed_mid_save, 3, ck, 2, tmp=tmp_path, allow_died=True)
+    assert results[2] == _dist.DIED
+    for message in results[:2]:
+        seconds = float(message.split("s ", 1)[0])
+        assert seconds < 30, message
+        assert "rank(s) 2 did not answer" in message, message
+    assert run_ranks(_dist.restore_latest, 3, ck, tmp=tmp_path) == [(1, 1.0), (1, 2.0), (1, 3.0)]
+
+
+def test_node_local_tiers_hold_what_their_ranks_need(tmp_path):
+    base = tmp_path / "nodes"
+    assert run_ranks(_dist.node_local_save, 2, str(base), tmp=tmp_path) == [[1], [1]]
+    for node in ("node0", "node1"):  # each node-local tier has the manifest, the commit and the replicated table
+        manifest = _manifest(str(base / node), 1)
+        table = next(t for t in manifest["tensors"] if t["key"] == "table")
+        files = {c[0] for shard in table["shards"] for copy in [shard["chunks"], *shard.get("replicas", [])] for c in copy}
+        assert any((base / node / f).exists() for f in files), node
+    assert run_ranks(_dist.node_local_restore, 2, str(base), tmp=tmp_path) == ["restored 1", "restored 1"]
+    shutil.rmtree(base / "node1")  # node 1 is replaced; there is no remote tier
+    results = run_ranks(_dist.node_local_restore, 2, str(base), tmp=tmp_path)
+    for r in results:
+        assert r.startswith("error: no step can be restored on every rank: step 1 is committed but rank 1 cannot read it"), r
+
+
+def _manifest(directory: str, step: int) -> dict:
+    from pathlib import Path
+
+    commit = json.loads((Path(directory) / f"step-{step:010d}" / "COMMIT").read_text())
+    return json.loads((Path(directory) / commit["manifest"]).read_text())
