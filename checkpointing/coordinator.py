@@ -34,7 +34,7 @@ from .storage import LocalStorage
 log = logging.getLogger("checkpointing")
 
 TIER_FILE = "TIER"
-_POLL_S = (0.002, 0.05)  # first and largest interval between polls of the store
+_POLL_S = (0.001, 0.01)  # first and largest interval between polls of the store
 
 
 class RanksFailedError(CheckpointError):

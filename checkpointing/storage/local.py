@@ -53,7 +53,7 @@ class LocalStorage:
     def makedirs(self, path: str) -> None:
         target = self._abs(path)
         if not target.is_dir():
-            target.mkdir(parents=True, exist_ok=False)
+            target.mkdir(parents=True, exist_ok=True)  # ranks sharing a tier race to create it
             self._sync_dir(target.parent)
 
     def open_stream(self, path: str) -> "_LocalStream":
