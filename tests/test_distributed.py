@@ -114,3 +114,27 @@ def _manifest(directory: str, step: int) -> dict:
 
     commit = json.loads((Path(directory) / f"step-{step:010d}" / "COMMIT").read_text())
     return json.loads((Path(directory) / commit["manifest"]).read_text())
+
+
+def test_torchrun_example_trains_resumes_and_reshards(tmp_path):
+    """examples/train_fsdp.py as users launch it: torchrun, 2 ranks, then a resume on 1 rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_fsdp.py"
+    ck = tmp_path / "ck"
+
+    def torchrun(n: int, steps: int) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
+               "--master-addr", "127.0.0.1", "--master-port", str(_dist.free_port()),
+               str(script), "--dir", str(ck), "--steps", str(steps), "--every", "5"]
+        env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    first = torchrun(2, 10)
+    assert "resumed at 0, trained to 10" in first and "steps on disk [5, 10]" in first, first
+    second = torchrun(1, 15)
+    assert "resumed at 10, trained to 15" in second and "steps on disk [10, 15]" in second, second
