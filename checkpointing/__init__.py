@@ -17,6 +17,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CheckpointUploadError,
     ManifestError,
     StateError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CheckpointUploadError",
     "ManifestError",
     "StateError",
 ]

@@ -1,6 +1,11 @@
-"""`checkpointing ls|inspect|verify DIR` (also `python -m checkpointing`).
+"""`checkpointing ls|inspect|verify|gc|report TARGET` (also `python -m checkpointing`).
 
-Exit codes: 0 fine, 1 damage found (verify), 2 bad usage or nothing to show.
+TARGET is a checkpoint directory or any tier URL (s3://bucket/prefix, file:///path, memory://...).
+Credentials for a URL come from `--storage-option key=value` (repeatable; dotted keys nest, e.g.
+client_kwargs.region_name=us-east-1) or from the environment the cloud SDK reads
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...). They are never printed.
+
+Exit codes: 0 fine, 1 damage found (verify), 2 bad usage, an unreachable tier, or nothing to show.
 """
 
 from __future__ import annotations
@@ -15,17 +20,64 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from . import catalog, layout
+from . import catalog, layout, report
 from .errors import CheckpointError
-from .storage import LocalStorage
+from .retention import tier_states
+from .storage import LocalStorage, Storage, open_storage
 from .verify import verify_step
 
 
-def _storage(path: str) -> LocalStorage:
-    root = Path(path)
-    if not root.is_dir():
-        raise SystemExit(_fail(f"{path}: no such checkpoint directory"))
-    return LocalStorage(root, direct=False)
+def _storage(target: str, args: argparse.Namespace | None = None) -> Storage:
+    """The tier at `target`: a directory that must exist, or a URL opened with the --storage-option values."""
+    options = _storage_options(getattr(args, "storage_option", None) or [])
+    if "://" not in target:
+        root = Path(target)
+        if not root.is_dir():
+            raise SystemExit(_fail(f"{target}: no such checkpoint directory"))
+        if options:
+            raise SystemExit(_fail("--storage-option applies to URLs (s3://bucket/prefix), not to a directory"))
+        return LocalStorage(root, direct=False)
+    try:
+        storage = open_storage(target, options or None)
+        storage.list("")  # reachable, and the credentials work
+    except (CheckpointError, OSError) as exc:
+        raise SystemExit(_fail(f"cannot open {_redacted(target)}: {exc}")) from None
+    return storage
+
+
+def _redacted(target: str) -> str:
+    from .storage.retry import redact_url
+
+    return redact_url(target)
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    """['a=1', 'client_kwargs.region_name=x'] -> {'a': 1, 'client_kwargs': {'region_name': 'x'}}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(_fail(f"--storage-option {key or pair!r}: expected KEY=VALUE"))
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SystemExit(_fail(f"--storage-option {key}: {part} is both a value and a group"))
+        node[leaf] = _value(raw)
+    return out
+
+
+def _value(raw: str) -> Any:
+    """true/false/null, integers and floats as such; anything else (a key, a URL) stays a string."""
+    if raw in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[raw]
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def _fail(msg: str) -> int:
@@ -41,21 +93,32 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _step_size(storage: LocalStorage, step: int) -> int:
-    sdir = layout.step_dir(step)
-    return sum(storage.size(f"{sdir}/{name}") for name in storage.list(sdir))
+def _committed_at(storage: Storage, step: int) -> str:
+    mtime = getattr(storage, "mtime", None)
+    if mtime is None:
+        return ""
+    try:
+        return _dt.datetime.fromtimestamp(mtime(layout.commit_name(step)), _dt.timezone.utc).isoformat(timespec="seconds")
+    except (FileNotFoundError, OSError):
+        return ""
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args)
     listing = catalog.list_steps(storage)
+    tiers: dict[int, str] = {}
+    if args.remote:
+        remote = _storage(args.remote, args)
+        tiers = tier_states(listing.committed, catalog.list_steps(remote).committed)
     rows: list[dict[str, Any]] = []
-    for step in sorted(listing.committed + listing.incomplete):
+    for step in sorted(set(listing.committed + listing.incomplete) | set(tiers)):
         committed = step in listing.committed
-        row: dict[str, Any] = {"step": step, "state": "committed" if committed else "incomplete", "bytes": _step_size(storage, step)}
+        row: dict[str, Any] = {"step": step, "state": "committed" if committed else "incomplete" if step in listing.incomplete else "remote only",
+                               "bytes": catalog.step_nbytes(storage, step)}
+        if tiers:
+            row["tier"] = tiers.get(step, "")
         if committed:
-            commit_path = storage.root / layout.commit_name(step)
-            row["committed_at"] = _dt.datetime.fromtimestamp(commit_path.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
+            row["committed_at"] = _committed_at(storage, step)
             try:
                 row["tensors"] = len(catalog.load_manifest(storage, step).tensors)
             except CheckpointError as exc:
@@ -65,31 +128,33 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table(title=f"checkpoints in {storage.root}")
-    for col in ("step", "state", "size", "tensors", "committed at (UTC)"):
+    table = Table(title=f"checkpoints in {storage.url}" + (f" (tiers: + {remote.url})" if tiers else ""))
+    columns = ["step", "state"] + (["tier"] if tiers else []) + ["size", "tensors", "committed at (UTC)"]
+    for col in columns:
         table.add_column(col, justify="right" if col in ("step", "size", "tensors") else "left")
     for r in rows:
-        style = {"committed": "green", "incomplete": "yellow", "damaged": "red"}[r["state"]]
-        table.add_row(str(r["step"]), f"[{style}]{r['state']}[/{style}]", _human(r["bytes"]), str(r.get("tensors", "")), r.get("committed_at", ""))
+        style = {"committed": "green", "incomplete": "yellow", "damaged": "red", "remote only": "cyan"}[r["state"]]
+        cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([r["tier"]] if tiers else [])
+        table.add_row(*cells, _human(r["bytes"]) if r["bytes"] else "", str(r.get("tensors", "")), r.get("committed_at", ""))
     Console().print(table)
     if not rows:
         Console().print("no checkpoints")
     return 0
 
 
-def _resolve_step(storage: LocalStorage, step: int | None) -> int:
+def _resolve_step(storage: Storage, step: int | None) -> int:
     committed = catalog.list_steps(storage).committed
     if step is None:
         if not committed:
-            raise SystemExit(_fail(f"{storage.root}: no committed step"))
+            raise SystemExit(_fail(f"{storage.url}: no committed step"))
         return committed[-1]
     if step not in committed:
-        raise SystemExit(_fail(f"step {step} is not committed in {storage.root} (committed: {committed})"))
+        raise SystemExit(_fail(f"step {step} is not committed in {storage.url} (committed: {committed})"))
     return step
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args)
     step = _resolve_step(storage, args.step)
     try:
         manifest = catalog.load_manifest(storage, step)
@@ -143,10 +208,10 @@ def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args)
     steps = [_resolve_step(storage, args.step)] if args.step is not None else catalog.list_steps(storage).committed
     if not steps:
-        return _fail(f"{storage.root}: no committed step to verify")
+        return _fail(f"{storage.url}: no committed step to verify")
     console = Console()
     damaged = 0
     for step in steps:
@@ -165,23 +230,64 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir, args)
+    garbage, problems = catalog.find_garbage(storage, min_age_s=args.min_age_s)
+    console = Console()
+    for p in problems:
+        console.print(f"[red]skipped[/red] {p}", markup=False)
+    verb = "would remove" if args.dry_run else "removing"
+    for g in garbage:
+        console.print(f"{verb} {g.path} ({_human(g.nbytes)}): {g.reason}", markup=False, highlight=False)
+        if not args.dry_run:
+            storage.delete(g.path)
+    total = _human(sum(g.nbytes for g in garbage))
+    if not garbage:
+        console.print(f"nothing unreferenced in {storage.url}")
+    elif args.dry_run:
+        console.print(f"{len(garbage)} unreferenced object(s), {total}: run without --dry-run to remove them")
+    else:
+        console.print(f"removed {len(garbage)} unreferenced object(s), {total}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    return report.run(args, Console())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="checkpointing", description="Inspect and verify checkpoint directories.")
+    parser = argparse.ArgumentParser(prog="checkpointing", description="Inspect, verify and tidy checkpoints on any tier.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", help="list steps with size and state")
-    p.add_argument("dir")
+    target = "checkpoint directory, or a tier URL (s3://bucket/prefix, file:///path, ...)"
+
+    def tier_parser(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("dir", metavar="TARGET", help=target)
+        p.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", default=[],
+                       help="fsspec storage option for a URL (repeatable; e.g. endpoint_url=http://127.0.0.1:9000); "
+                            "credentials may come from the environment instead")
+        return p
+
+    p = tier_parser("ls", "list steps with size and state")
+    p.add_argument("--remote", metavar="URL", default=None, help="also list this remote tier: a column says where each step is durable")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
-    p = sub.add_parser("inspect", help="show a step's tensors and values")
-    p.add_argument("dir")
+    p = tier_parser("inspect", "show a step's tensors and values")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
     p.add_argument("--json", action="store_true")
     p.add_argument("--max-values", type=int, default=50)
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("verify", help="check every digest; exit 1 on damage")
-    p.add_argument("dir")
+    p = tier_parser("verify", "check every digest; exit 1 on damage")
     p.add_argument("--step", type=int, default=None, help="default: every committed step")
     p.set_defaults(func=cmd_verify)
+    p = tier_parser("gc", "remove data no committed step references (incomplete steps, a losing writer's files)")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--min-age-s", type=float, default=3600.0,
+                   help="leave objects younger than this alone: they may belong to a save in flight (default 3600; 0: everything)")
+    p.set_defaults(func=cmd_gc)
+    p = sub.add_parser("report", help="stall-time table (and --plot) from a directory's metrics.jsonl")
+    report.add_arguments(p)
+    p.set_defaults(func=cmd_report)
     return parser
 
 
@@ -191,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except SystemExit as exc:
         return int(exc.code or 0)
+    except (CheckpointError, OSError) as exc:  # an unreachable tier, a failed delete: messages carry no credentials
+        return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
 

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import catalog, layout
+from . import catalog
 from .errors import CheckpointError
 from .manifest import Manifest, decode_manifest, encode_manifest
 from .merge import MergeError, RankPart, decode_part, encode_part, merge_parts
@@ -55,7 +55,7 @@ class CoordinationLost(CheckpointError):
     """The torch.distributed store is unreachable (its host process is gone)."""
 
 
-def _store_errors(fn: Callable) -> Callable:
+def store_errors(fn: Callable) -> Callable:
     """Store failures (a DistError from the C++ client) become one clear CheckpointError."""
 
     @functools.wraps(fn)
@@ -130,6 +130,7 @@ class StoreCoordinator:
 
         self.storage = storage
         self.timeout_s = timeout_s
+        self.group, self.namespace = group, namespace
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.store = _store_client(group, namespace, timeout_s)
@@ -146,17 +147,17 @@ class StoreCoordinator:
 
     # ------------------------------------------------------------ during a save (background thread)
 
-    @_store_errors
+    @store_errors
     def share_written(self, job: Any, written: list[tuple[str, tuple[int, ...] | None, str]]) -> None:
         payload = [[k, None if o is None else list(o), d] for k, o, d in written]
         self.store.set(self._key(job, f"ws/{self.rank}"), json.dumps({"ok": True, "written": payload}))
         job.exchanged = True
 
-    @_store_errors
+    @store_errors
     def peer_written(self, job: Any) -> set[tuple[str, tuple[int, ...] | None, str]]:
         peers = [r for r in range(self.world_size) if r != self.rank and self.tiers[r] == self.tiers[self.rank]]
         keys = [self._key(job, f"ws/{r}") for r in peers]
-        self._wait(keys, time.monotonic() + self.timeout_s, f"step {job.step}: waiting for local-tier peers", keys_rank=_rank_of)
+        self._wait(keys, time.monotonic() + self.timeout_s, f"step {job.step}: waiting for local-tier peers", keys_rank=rank_of)
         out: set = set()
         for r, raw in zip(peers, self.store.multi_get(keys) if keys else []):
             msg = json.loads(raw)
@@ -176,13 +177,13 @@ class StoreCoordinator:
         except Exception as exc:  # noqa: BLE001 - the store is gone too: the others will time out
             log.warning("checkpointing: could not report rank %d's failure of step %d: %s", self.rank, job.step, exc)
 
-    @_store_errors
+    @store_errors
     def commit(self, job: Any, part: RankPart) -> Manifest:
         """Report this rank's part; rank 0 merges; every tier's leader commits there. Raises if any rank failed."""
         self.store.set(self._key(job, f"part/{self.rank}"), encode_part(part))
         return self.finish(job)
 
-    @_store_errors
+    @store_errors
     def finish(self, job: Any) -> Manifest:
         deadline = time.monotonic() + self.timeout_s
         merged = self.rank == 0 and self._merge(job, deadline)
@@ -206,7 +207,7 @@ class StoreCoordinator:
         """Rank 0: merge every rank's part and publish the manifest; False if the step already failed."""
         keys = [self._key(job, f"part/{r}") for r in range(self.world_size)]
         try:
-            self._wait(keys, deadline, f"step {job.step}: waiting for every rank's report", keys_rank=_rank_of)
+            self._wait(keys, deadline, f"step {job.step}: waiting for every rank's report", keys_rank=rank_of)
         except CoordinationTimeout as exc:
             self._verdict(job, {r: str(exc) for r in exc.ranks})
             return False
@@ -236,7 +237,7 @@ class StoreCoordinator:
         """Rank 0: wait for every local tier's commit, then give the verdict."""
         acks = [self._key(job, f"ack/{r}") for r in self.leaders]
         try:
-            self._wait(acks, deadline, f"step {job.step}: waiting for each local tier's commit", keys_rank=_rank_of)
+            self._wait(acks, deadline, f"step {job.step}: waiting for each local tier's commit", keys_rank=rank_of)
         except CoordinationTimeout as exc:
             return self._verdict(job, {r: str(exc) for r in exc.ranks})
         failures = {r: m["error"] for r, m in zip(self.leaders, map(json.loads, self.store.multi_get(acks))) if not m["ok"]}
@@ -276,14 +277,14 @@ class StoreCoordinator:
 
     # ------------------------------------------------------------ collective calls (training thread)
 
-    @_store_errors
+    @store_errors
     def agree_restore(self, readable: list[int], note: str, requested: int | None, error: str | None = None) -> int | None:
         """The newest step every rank can read (or check `requested`); the error names who cannot."""
         n = self._restores
         self._restores += 1
         self.store.set(f"restore/{n}/{self.rank}", json.dumps({"readable": readable, "note": note, "error": error}))
         keys = [f"restore/{n}/{r}" for r in range(self.world_size)]
-        self._wait(keys, time.monotonic() + self.timeout_s, "restore: waiting for every rank's list of readable steps", keys_rank=_rank_of)
+        self._wait(keys, time.monotonic() + self.timeout_s, "restore: waiting for every rank's list of readable steps", keys_rank=rank_of)
         views = [json.loads(v) for v in self.store.multi_get(keys)]
         failed = {r: v["error"] for r, v in enumerate(views) if v["error"]}
         if failed:
@@ -306,11 +307,11 @@ class StoreCoordinator:
             + ". Restore on the ranks' original machines, or configure a remote tier (remote=...) that holds every rank's data"
         )
 
-    @_store_errors
+    @store_errors
     def barrier(self, name: str) -> None:
         self.store.set(f"barrier/{name}/{self.rank}", b"1")
         keys = [f"barrier/{name}/{r}" for r in range(self.world_size)]
-        self._wait(keys, time.monotonic() + self.timeout_s, f"waiting for every rank ({name})", keys_rank=_rank_of)
+        self._wait(keys, time.monotonic() + self.timeout_s, f"waiting for every rank ({name})", keys_rank=rank_of)
 
     def close(self) -> None:
         """Wait until every rank is done with the store (its server may live in rank 0's process)."""
@@ -319,7 +320,7 @@ class StoreCoordinator:
             self.store.set(f"left/{self.rank}", b"1")
             if self.rank == 0:  # the store's host (with tcp:// init) leaves last
                 keys = [f"left/{r}" for r in range(self.world_size)]
-                self._wait(keys, time.monotonic() + self.timeout_s, "closing", keys_rank=_rank_of)
+                self._wait(keys, time.monotonic() + self.timeout_s, "closing", keys_rank=rank_of)
         except Exception as exc:  # noqa: BLE001 - a dead rank must not stop the others from exiting
             log.warning("checkpointing: rank %d closed without the others: %s", self.rank, exc)
 
@@ -329,17 +330,26 @@ class StoreCoordinator:
         return f"save/{job.seq}/{name}"
 
     def _wait(self, keys: list[str], deadline: float, what: str, *, keys_rank: Callable[[str], int]) -> None:
-        delay = _POLL_S[0]
-        while keys and not self.store.check(keys):
-            if time.monotonic() >= deadline:
-                missing = sorted(keys_rank(k) for k in keys if not self.store.check([k]))
-                raise CoordinationTimeout(
-                    f"{what}: rank(s) {', '.join(map(str, missing))} did not answer in time (timeout_s={self.timeout_s:g}; "
-                    "dead, hung, or much slower: raise timeout_s if they are only slow)",
-                    missing,
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_S[1])
+        wait_keys(self.store, keys, deadline, what, keys_rank=keys_rank, timeout_s=self.timeout_s)
+
+    def new_store_client(self) -> Any:
+        """Another connection to this manager's key space (for a second background thread)."""
+        return _store_client(self.group, self.namespace, self.timeout_s)
+
+
+def wait_keys(store: Any, keys: list[str], deadline: float, what: str, *, keys_rank: Callable[[str], int], timeout_s: float) -> None:
+    """Poll until every key is set; past `deadline`, CoordinationTimeout naming the ranks that did not answer."""
+    delay = _POLL_S[0]
+    while keys and not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = sorted(keys_rank(k) for k in keys if not store.check([k]))
+            raise CoordinationTimeout(
+                f"{what}: rank(s) {', '.join(map(str, missing))} did not answer in time (timeout_s={timeout_s:g}; "
+                "dead, hung, or much slower: raise timeout_s if they are only slow)",
+                missing,
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_S[1])
 
 
 class PeerFailed(CheckpointError):
@@ -356,7 +366,7 @@ def _coordination_timeout_init(self: CoordinationTimeout, message: str, ranks: l
 CoordinationTimeout.__init__ = _coordination_timeout_init  # type: ignore[method-assign]
 
 
-def _rank_of(key: str) -> int:
+def rank_of(key: str) -> int:
     return int(key.rsplit("/", 1)[1])
 
 

@@ -24,6 +24,26 @@ class CheckpointSaveError(CheckpointError):
         )
 
 
+class CheckpointUploadError(CheckpointSaveError):
+    """A step committed on the local tier could not be made durable on the remote tier.
+
+    A CheckpointSaveError, so code that handles failed saves handles it too; unlike other save
+    errors the step IS committed (locally) and restorable.
+    """
+
+    def __init__(self, step: int, remote: str, cause: BaseException | str) -> None:
+        self.step = step
+        self.cause = cause
+        self.remote = remote
+        reason = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        CheckpointError.__init__(
+            self,
+            f"upload of step {step} to the remote tier {remote} failed: {reason}. Step {step} is committed on the "
+            "local tier and restorable from there; the next save uploads its own step again, and a manager started "
+            "on this directory resumes the upload of newer local steps.",
+        )
+
+
 class CheckpointCorruptError(CheckpointError):
     """Stored bytes do not match what the manifest promises (bit rot, truncation, tampering)."""
 

@@ -9,6 +9,12 @@ optimizer.step() until the snapshot no longer reads live parameters or optimizer
 Across ranks (a torch.distributed process group of more than one rank), every rank writes its own
 shards to its local tier and the coordinator (coordinator.py) commits the step through the store;
 construction and restore() are collective calls, save() is not (it never waits on another rank).
+
+With a remote tier (remote=...), a second background thread (tiering.py) uploads each step once it
+is committed locally. save() does not wait for that upload, only for the one before it: at most
+one step uploads while the next one is written, so a link slower than the checkpoint interval
+shows up as wait_prev_s instead of an unbounded backlog of local steps. handle.wait() and wait()
+return once a step is durable on every tier.
 """
 
 from __future__ import annotations
@@ -28,14 +34,18 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import catalog, layout
 from .assign import UNIQUE, LeafInfo, assign_regions
 from .codecs import Codec
-from .coordinator import LocalCoordinator, StoreCoordinator, new_namespace, tier_id
-from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError
-from .metrics import SaveStats, append_jsonl, log_save
+from .coordinator import LocalCoordinator, StoreCoordinator, new_namespace
+from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
+from .metrics import SaveStats, append_jsonl, log_save, stats_of
 from .options import ManagerOptions, SnapshotMode
 from .plan import PackPlan, plan_pack
-from .restore import RestorePlan, Sources, execute, plan_restore
+from .errors import CheckpointUploadError
+from .choose import choose_step
+from .restore import execute
+from .retention import tier_states
 from .staging import StagingPool
-from .storage import LocalStorage
+from .storage import FsspecStorage, LocalStorage, open_storage
+from .tiering import Uploader, UploadJob, start_uploader
 from .tree import FlatState, flatten_state
 from .writer import SaveJob, run_save
 
@@ -45,22 +55,32 @@ log = logging.getLogger("checkpointing")
 class SaveHandle:
     """A save in flight. `wait()` returns its SaveStats once committed, or raises its error."""
 
-    def __init__(self, manager: "CheckpointManager", job: SaveJob) -> None:
+    def __init__(self, manager: "CheckpointManager", job: SaveJob, upload: UploadJob | None = None) -> None:
         self._manager = manager
         self._job = job
+        self._upload = upload
         self.step = job.step
 
     def done(self) -> bool:
-        return self._job.done.is_set()
+        """Durable on every configured tier (or failed)."""
+        return self._job.done.is_set() and (self._upload is None or self._upload.done.is_set())
 
     def wait_staged(self) -> None:
         """Block until the snapshot no longer reads live tensors (then they may be mutated)."""
         self._manager._guard(self._job)
 
     def wait(self, timeout: float | None = None) -> SaveStats:
+        """Block until the step is durable on every configured tier; return its SaveStats or raise its error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._job.done.wait(timeout):
             raise CheckpointError(f"step {self.step} is not durable after {timeout} s; call wait() again or raise the timeout")
         self._manager._raise_job_error(self._job)
+        if self._upload is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._upload.done.wait(left):
+                raise CheckpointError(f"step {self.step} is committed locally but not yet on the remote tier after {timeout} s; "
+                                      "call wait() again or raise the timeout")
+            self._manager._raise_upload_error(self._upload)
         return self._job_stats()
 
     def _job_stats(self) -> SaveStats:
@@ -96,6 +116,9 @@ class CheckpointManager:
         fsync: bool = True,
         codecs: tuple[Codec, ...] | list[Codec] = (),
         timeout_s: float = 600.0,
+        upload_concurrency: int = 8,
+        upload_part_bytes: int = 64 << 20,
+        upload_bytes_per_s: float | None = None,
     ) -> None:
         if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir):
             raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a directory path")
@@ -103,9 +126,16 @@ class CheckpointManager:
             keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes,
             chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync,
             incremental=incremental, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes,
+            upload_bytes_per_s=upload_bytes_per_s,
         )
         group = _resolve_group(process_group)
+        self.remote_storage: FsspecStorage | None = None
+        if remote is not None:  # credentials stay inside the storage: never in messages, logs or files
+            opened = open_storage(remote, storage_options, max_concurrency=upload_concurrency, part_bytes=upload_part_bytes,
+                                  max_bytes_per_s=upload_bytes_per_s)
+            assert isinstance(opened, FsspecStorage)
+            self.remote_storage = opened
         try:
             self.storage = LocalStorage(local_dir, direct=direct_io, fsync=fsync)
         except OSError as exc:
@@ -128,6 +158,14 @@ class CheckpointManager:
         if self._coord.leader:  # one rank per local tier tidies it, before anyone writes there
             self._remove_incomplete()
         self._coord.barrier("started")
+        self._retention_lock = threading.Lock()
+        self._uploads: list[UploadJob] = []  # not yet waited for and reported, in upload order
+        self._upload_of: dict[SaveJob, UploadJob] = {}
+        self._uploader: Uploader | None = None
+        if self.remote_storage is not None:  # collective: the ranks agree on interrupted uploads to resume
+            self._uploader, resumed = start_uploader(self.storage, self.remote_storage, self._coord,
+                                                     keep_remote=self.options.keep_remote, on_finish=self._upload_finished)
+            self._uploads.extend(resumed)
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._io_loop, name="ckpt-io", daemon=True)
         self._thread.start()
@@ -150,11 +188,18 @@ class CheckpointManager:
         if prev is not None:
             prev.done.wait()
             self._raise_job_error(prev)
-        wait_prev_s = time.perf_counter() - t0 if prev is not None else 0.0
+        older = self._uploads[:-1]  # every upload but the newest: done on every rank once waited for
+        for up in older:
+            up.done.wait()
+        if older:
+            self._uploads = self._uploads[-1:]
+            for up in older:
+                self._raise_upload_error(up)
+        wait_prev_s = time.perf_counter() - t0 if prev is not None or older else 0.0
         seq = self._seq
         self._seq += 1
         try:
-            if step in self.steps():
+            if step in self._committed_fast():
                 raise CheckpointError(
                     f"step {step} is already committed in {self.directory}: checkpoints are immutable; "
                     "save under a new step number (or delete that step first)"
@@ -170,13 +215,17 @@ class CheckpointManager:
             start_event = torch.cuda.Event()
             start_event.record(torch.cuda.current_stream())
         job = SaveJob(step, flat, plan, regions, t0, wall, wait_prev_s, start_event=start_event, seq=seq)
+        upload = None
+        if self._uploader is not None:
+            upload = self._upload_of[job] = UploadJob(step, save=job)
+            self._uploads.append(upload)
         self._current = job
         self._queue.put(job)
         job.eager_staged.wait()
         if job.eager_event is not None:
             torch.cuda.current_stream().wait_event(job.eager_event)
         job.call_s = time.perf_counter() - t0 - wait_prev_s
-        return SaveHandle(self, job)
+        return SaveHandle(self, job, upload)
 
     def _fail_without_saving(self, step: int, seq: int, exc: BaseException, t0: float, wall: float, wait_prev_s: float) -> None:
         """Run a save that failed inside save() through the coordinator, so the other ranks hear why."""
@@ -184,17 +233,28 @@ class CheckpointManager:
         job.error = exc
         job.error_reported = True  # raised right now, in save()
         job.release_waiters()
+        if self._uploader is not None:  # keep the list of uploads the same on every rank
+            self._uploads.append(UploadJob(step, save=job))
+            self._uploads[-1].done.set()
         self._current = job
         self._queue.put(job)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save is durable; raise the error of a failed one (once)."""
+        """Block until every save is durable on every configured tier; raise the error of a failed one (once)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         job = self._current
-        if job is None:
-            return
-        if not job.done.wait(timeout):
-            raise CheckpointError(f"step {job.step} is not durable after {timeout} s; call wait() again or raise the timeout")
-        self._raise_job_error(job)
+        if job is not None:
+            if not job.done.wait(timeout):
+                raise CheckpointError(f"step {job.step} is not durable after {timeout} s; call wait() again or raise the timeout")
+            self._raise_job_error(job)
+        uploads = list(self._uploads)
+        for up in uploads:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not up.done.wait(left):
+                raise CheckpointError(f"step {up.step} is not on the remote tier after {timeout} s; call wait() again or raise the timeout")
+        self._uploads = [u for u in self._uploads if u not in uploads]
+        for up in uploads:
+            self._raise_upload_error(up)
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot no longer reads live tensors.
@@ -214,66 +274,41 @@ class CheckpointManager:
         self._check_open()
         if self._current is not None:
             self._current.done.wait()
-        chosen, plans = self._agree_on_step(state, step, strict)
+        remote = set(self._remote_steps() or ())
+        chosen, plans = choose_step(state, step, strict, local=self.storage, remote=self.remote_storage, remote_steps=remote,
+                                    coord=self._coord, codecs=self.options.codecs)
         if chosen is None:
             return None
         plan, sources = plans[chosen]
         t0 = time.perf_counter()
         execute(plan, state, sources)
+        origin = str(self.directory) if sources.local is not None else ""
+        if sources.remote_bytes:
+            origin += f"{' and ' if origin else ''}{self._remote_url()} ({sources.remote_bytes / 1e6:.1f} MB from the remote tier)"
         log.info("checkpointing: rank %d restored step %d (%.1f MB in the checkpoint) in %.3f s from %s",
-                 self.rank, chosen, plan.manifest.nbytes / 1e6, time.perf_counter() - t0, self.directory)
+                 self.rank, chosen, plan.manifest.nbytes / 1e6, time.perf_counter() - t0, origin or str(self.directory))
         return chosen
 
-    def _agree_on_step(self, state: Mapping[str, Any], step: int | None, strict: bool) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
-        """Plan the restore of each candidate step; with several ranks, agree on one every rank can read."""
-        committed = self.steps()
-        candidates = [step] if step is not None else sorted(committed, reverse=True)
-        plans: dict[int, tuple[RestorePlan, Sources]] = {}
-        notes = [] if committed else [f"its local tier {self.directory} holds no committed step"]
-        error: BaseException | None = None
-        for s in candidates:
-            if s not in committed:
-                notes.append(f"step {s} is not committed in its local tier {self.directory}")
-                continue
-            try:
-                manifest = catalog.load_manifest(self.storage, s)
-                plan = plan_restore(state, manifest, rank=self.rank, world_size=self.world_size, codecs=self.options.codecs, strict=strict)
-            except CheckpointCorruptError as exc:
-                if step is not None or self.world_size == 1:
-                    error = exc
-                    break
-                notes.append(f"step {s}: {exc}")
-                log.warning("checkpointing: rank %d cannot use step %d: %s", self.rank, s, exc)
-                continue
-            except (CheckpointError, TypeError) as exc:
-                error = exc
-                break
-            sources = Sources(manifest, self.storage, self._coord.tiers[self.rank], where=f" (its local tier is {self.directory}; no remote tier is configured)")
-            missing = plan.missing(sources)
-            if missing:
-                notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {self.directory} does not hold, e.g. {missing[0]}")
-                continue
-            plans[s] = (plan, sources)
-            if self.world_size == 1 and step is None:
-                break  # one rank: the newest readable step is the answer
-        if self.world_size == 1:
-            if error is not None:
-                raise error
-            if step is not None and step not in plans:
-                raise CheckpointNotFoundError(f"step {step} cannot be restored: {'; '.join(notes)}")
-            return (max(plans) if plans else None), plans
-        failure = None if error is None else f"{type(error).__name__}: {error}"
-        try:
-            chosen = self._coord.agree_restore(sorted(plans), "; ".join(notes) or "it can", step, error=failure)
-        except CheckpointError:
-            if error is not None:
-                raise error from None
-            raise
-        return chosen, plans
-
     def steps(self) -> list[int]:
-        """Committed steps on the local tier, ascending."""
-        return catalog.list_steps(self.storage).committed
+        """Committed steps this rank can see, ascending: on its local tier, or on the remote tier."""
+        return sorted(self.tiers())
+
+    def tiers(self) -> dict[int, str]:
+        """Each committed step -> where it is durable: 'local', 'local+remote' or 'remote' (ascending).
+
+        Lists the remote tier (one request per step there); if it cannot be reached the answer is
+        the local tier plus the steps this manager knows it uploaded, and a warning is logged.
+        """
+        return tier_states(catalog.list_steps(self.storage).committed, self._remote_steps())
+
+    def _remote_steps(self) -> list[int] | None:
+        if self.remote_storage is None or self._uploader is None:
+            return None
+        try:
+            return catalog.list_steps(self.remote_storage).committed
+        except (OSError, CheckpointError) as exc:
+            log.warning("checkpointing: cannot list the remote tier %s (%s); showing what this process uploaded", self._remote_url(), exc)
+            return sorted(self._uploader.remote_steps)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -299,6 +334,10 @@ class CheckpointManager:
             self._hook.remove()
             self._queue.put(None)
             self._thread.join()
+            if self._uploader is not None:
+                self._uploader.close()  # its queue is empty: wait() waited for every upload (unless it raised)
+            if self.remote_storage is not None:
+                self.remote_storage.close()
             self._pool.release()
             self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
 
@@ -315,13 +354,29 @@ class CheckpointManager:
             log.error("checkpointing: %s", err)
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self.directory)!r}, keep_local={self.options.keep_local})"
+        remote = f", remote={self._remote_url()!r}, keep_remote={self.options.keep_remote}" if self.remote_storage is not None else ""
+        return f"CheckpointManager({str(self.directory)!r}, keep_local={self.options.keep_local}{remote})"
 
     # ------------------------------------------------------------------ internals
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
+
+    def _raise_upload_error(self, upload: UploadJob) -> None:
+        if upload.error is not None and not upload.error_reported:
+            upload.error_reported = True
+            raise upload.error
+
+    def _remote_url(self) -> str:
+        return self.remote_storage.url if self.remote_storage is not None else ""
+
+    def _committed_fast(self) -> set[int]:
+        """Committed steps without asking the remote tier (save() must not wait on the network)."""
+        steps = set(catalog.list_steps(self.storage).committed)
+        if self._uploader is not None:
+            steps |= self._uploader.remote_steps
+        return steps
 
     def _raise_job_error(self, job: SaveJob) -> None:
         if job.error is not None and not job.error_reported:
@@ -408,38 +463,56 @@ class CheckpointManager:
             elif exc is not job.error:
                 log.error("checkpointing: rank %d, step %d: %s", self.rank, job.step, exc)
         job.release_waiters()
-        try:
-            if job.error is None and coord.leader:
-                catalog.apply_retention(self.storage, self.options.keep_local, protect=job.step)
-        except Exception as exc:  # retention is retried after the next commit; never stop the thread
-            log.warning("checkpointing: retention after step %d failed: %s", job.step, exc)
-        finally:
-            if job.error_reported:  # failed inside save(): raised there, nothing to record
-                job.done.set()
-            else:
-                self._finish(job)
+        if job.error is None and coord.leader:
+            self._retain_local(job.step)
+        upload = self._upload_of.pop(job, None)
+        if job.error_reported:  # failed inside save(): raised there, nothing to record
+            job.done.set()
+        elif upload is not None and job.error is None:
+            upload.manifest, upload.t_local = job.manifest, job.t_committed
+            assert self._uploader is not None
+            self._uploader.submit(upload)  # records the stats once the step is on the remote tier
+            job.done.set()  # the next save may start: the upload reads the local files, not the staging pool
+        else:
+            self._finish(job)
+        if upload is not None and not upload.done.is_set() and job.error is not None:
+            upload.done.set()  # nothing to upload: the save failed (its error is the save's)
 
-    def _finish(self, job: SaveJob) -> None:
+    def _retain_local(self, newest: int) -> None:
+        """keep_local on this local tier (its leader only); never a step whose upload is not finished."""
+        pending = self._uploader.pending_steps() if self._uploader is not None else set()
         try:
-            self._record(job)
+            with self._retention_lock:
+                catalog.apply_retention(self.storage, self.options.keep_local, protect={newest} | pending)
+        except Exception as exc:  # retention is retried after the next commit; never stop the thread
+            log.warning("checkpointing: retention after step %d failed: %s", newest, exc)
+
+    def _finish(self, job: SaveJob, upload: UploadJob | None = None) -> None:
+        try:
+            self._record(job, upload)
         finally:
             job.done.set()
 
-    def _record(self, job: SaveJob) -> None:
+    def _upload_finished(self, upload: UploadJob) -> None:
+        """On the upload thread, after each upload (before upload.done is set)."""
+        if upload.error is not None:
+            upload.error = CheckpointUploadError(upload.step, self._remote_url(), upload.error)
+        if upload.save is not None:
+            self._record(upload.save, upload)
+        elif upload.error is not None:
+            upload.error_reported = True  # a resumed upload: no save() of this process waits for it
+            log.error("checkpointing: %s", upload.error)
+        else:
+            log.info("checkpointing: resumed upload of step %d finished (%.1f MB sent, %.1f MB were there already) -> %s",
+                     upload.step, upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote_url())
+        if self._coord.leader:
+            newest = catalog.list_steps(self.storage).committed
+            if newest:
+                self._retain_local(newest[-1])
+
+    def _record(self, job: SaveJob, upload: UploadJob | None = None) -> None:
         with job.lock:  # the guard may still be adding its wait
-            ok = job.error is None
-            end = job.t_committed if ok else time.perf_counter()
-            write_s = max(0.0, job.t_written - job.t_staged) if ok else 0.0
-            stats = SaveStats(
-                step=job.step, ok=ok, error=None if ok else f"{type(job.error).__name__}: {job.error}",
-                wait_prev_s=job.wait_prev_s, stall_s=job.stall_s, guard_wait_s=job.guard_wait_s,
-                snapshot_s=max(0.0, job.t_staged - job.t_call - job.wait_prev_s) if job.t_staged else 0.0,
-                write_s=write_s, commit_s=max(0.0, job.t_committed - job.t_written) if ok else 0.0,
-                total_s=end - job.t_call - job.wait_prev_s,
-                bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if ok else 0, bytes_reused=0,
-                write_bytes_per_s=job.bytes_written / write_s if ok and write_s > 0 else 0.0,
-                staging_bytes=self._pool.capacity, time=job.wall_time, rank=self.rank, world_size=self.world_size,
-            )
+            stats = stats_of(job, upload, staging_bytes=self._pool.capacity, rank=self.rank, world_size=self.world_size)
         with self._lock:
             self._stats.append(stats)
             job.stats = stats
@@ -447,7 +520,7 @@ class CheckpointManager:
             append_jsonl(self.directory / layout.METRICS_NAME, stats)
         except OSError as exc:
             log.warning("checkpointing: could not append metrics to %s: %s", self.directory, exc)
-        log_save(stats, str(self.directory))
+        log_save(stats, str(self.directory) if upload is None else f"{self.directory} and {self._remote_url()}")
 
 
 _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()

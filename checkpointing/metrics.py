@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from typing import Any, Iterator
 
 log = logging.getLogger("checkpointing")
@@ -21,7 +22,13 @@ class SaveStats:
     guard_wait_s: the part of stall_s spent in the guard before the next optimizer.step().
     snapshot_s: save() entry to the last byte staged. write_s: staged to pack data durable.
     commit_s: manifest + commit marker durable (with several ranks: reporting to rank 0, its merge,
-        and every local tier's commit). total_s: save() entry to committed.
+        and every local tier's commit). total_s: save() entry to committed on the local tier.
+    tier: where the step is durable: "local", or "local+remote" once uploaded.
+    upload_s, bytes_uploaded, upload_bytes_per_s (None without a remote tier): local commit to
+        committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
+        bytes this rank uploaded, and their rate over this rank's own transfer time.
+    ok: durable on every configured tier; a step whose upload failed has ok=False, tier="local"
+        and the upload error in `error` (it is committed locally).
     """
 
     step: int
@@ -43,6 +50,9 @@ class SaveStats:
     time: float = 0.0  # wall-clock time.time() when the save was requested
     rank: int = 0  # of the process group; ranks sharing a directory append to one metrics.jsonl
     world_size: int = 1
+    upload_s: float | None = None
+    bytes_uploaded: int | None = None
+    upload_bytes_per_s: float | None = None
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -57,6 +67,30 @@ class SaveStats:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SaveStats))
+
+
+def stats_of(job: Any, upload: Any, *, staging_bytes: int, rank: int, world_size: int) -> SaveStats:
+    """The SaveStats of a finished save (a writer.SaveJob) and, with a remote tier, its tiering.UploadJob."""
+    committed = job.error is None
+    ok = committed and (upload is None or upload.error is None)
+    error = job.error if job.error is not None else None if upload is None else upload.error
+    end = job.t_committed if committed else time.perf_counter()
+    write_s = max(0.0, job.t_written - job.t_staged) if committed else 0.0
+    remote: dict[str, Any] = {}
+    if upload is not None:
+        rate = upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0
+        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, upload_bytes_per_s=rate)
+    return SaveStats(
+        step=job.step, ok=ok, error=None if error is None else f"{type(error).__name__}: {error}",
+        wait_prev_s=job.wait_prev_s, stall_s=job.stall_s, guard_wait_s=job.guard_wait_s,
+        snapshot_s=max(0.0, job.t_staged - job.t_call - job.wait_prev_s) if job.t_staged else 0.0,
+        write_s=write_s, commit_s=max(0.0, job.t_committed - job.t_written) if committed else 0.0,
+        total_s=end - job.t_call - job.wait_prev_s,
+        bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if committed else 0, bytes_reused=0,
+        write_bytes_per_s=job.bytes_written / write_s if committed and write_s > 0 else 0.0,
+        staging_bytes=staging_bytes, time=job.wall_time, rank=rank, world_size=world_size,
+        tier="local+remote" if ok and upload is not None else "local", **remote,
+    )
 
 
 def append_jsonl(path: os.PathLike | str, stats: SaveStats) -> None:
@@ -88,5 +122,12 @@ def log_save(stats: SaveStats, where: str) -> None:
             "checkpointing: step %d committed in %.3f s (stall %.1f ms, wait_prev %.1f ms, %.1f MB at %.2f GB/s) -> %s",
             stats.step, stats.total_s, stats.stall_s * 1e3, stats.wait_prev_s * 1e3, mb, stats.write_bytes_per_s / 1e9, where,
         )
+    elif stats.upload_s is not None and stats.tier == "local":
+        log.error("checkpointing: step %d committed locally, its upload failed after %.3f s: %s", stats.step, stats.upload_s, stats.error)
     else:
         log.error("checkpointing: step %d failed after %.3f s: %s", stats.step, stats.total_s, stats.error)
+    if stats.ok and stats.upload_s is not None:
+        log.info(
+            "checkpointing: step %d durable on the remote tier %.3f s after its local commit (%.1f MB from this rank at %.1f MB/s)",
+            stats.step, stats.upload_s, (stats.bytes_uploaded or 0) / 1e6, (stats.upload_bytes_per_s or 0) / 1e6,
+        )

@@ -12,6 +12,7 @@ SnapshotMode = Literal["async", "eager"]
 
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 8 << 20
+S3_MIN_PART_BYTES = 5 << 20  # S3 refuses smaller multipart parts (but the last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,15 @@ class ManagerOptions:
     """Everything `CheckpointManager` accepts besides the directory.
 
     keep_local: committed steps kept on the local tier (None keeps all).
+    keep_remote: committed steps kept on the remote tier (None keeps all).
+    remote: URL of the durable tier (s3://bucket/prefix, file:///path, memory://name, any fsspec
+        URL); every committed step is uploaded there in the background. None: local tier only.
+    storage_options: handed to the fsspec filesystem of `remote` (endpoint_url, key, secret, ...).
+        Never printed: it is left out of repr() and of every message.
+    upload_concurrency: multipart parts (of one rank) uploaded at a time.
+    upload_part_bytes: size of one multipart part (S3: at least 5 MiB); a file up to this size
+        goes up in one request.
+    upload_bytes_per_s: pace each rank's uploads to this rate (None: as fast as the link allows).
     snapshot: "async" lets the copy into staging overlap the next forward/backward and guards the
         next optimizer.step(); "eager" copies everything before save() returns.
     staging_budget_bytes: upper bound of the staging pool (None: one full copy of the state).
@@ -41,9 +51,12 @@ class ManagerOptions:
     fsync: bool = True
     incremental: bool = True
     remote: str | None = None
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     codecs: tuple[Codec, ...] = ()
     timeout_s: float = 600.0
+    upload_concurrency: int = 8
+    upload_part_bytes: int = 64 << 20
+    upload_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("keep_local", "keep_remote"):
@@ -71,13 +84,41 @@ class ManagerOptions:
                 f"staging_budget_bytes={budget!r} is too small: it must hold at least two chunks "
                 f"(2 * chunk_bytes = {2 * self.chunk_bytes}); raise it or lower chunk_bytes"
             )
-        if self.remote is not None:
-            raise CheckpointConfigError(
-                f"remote={self.remote!r}: the remote tier is not available in this version; "
-                "pass remote=None and copy the local directory yourself"
-            )
+        self._check_remote()
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise CheckpointConfigError(f"timeout_s={self.timeout_s!r} is invalid: pass a number of seconds > 0")
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
+
+    def _check_remote(self) -> None:
+        from .storage.retry import redact_url
+
+        if self.remote is None:
+            if self.storage_options:
+                raise CheckpointConfigError("storage_options were given without remote=...: they configure the remote tier only")
+            if self.keep_remote is not None:
+                raise CheckpointConfigError(
+                    f"keep_remote={self.keep_remote!r} has no effect without a remote tier: pass remote='s3://bucket/prefix' "
+                    "(or any fsspec URL), or leave keep_remote=None"
+                )
+            return
+        if not isinstance(self.remote, str) or "://" not in self.remote:
+            shown = redact_url(self.remote) if isinstance(self.remote, str) else type(self.remote).__name__
+            raise CheckpointConfigError(
+                f"remote={shown!r} is not a URL: pass s3://bucket/prefix, file:///absolute/path or another fsspec URL"
+            )
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise CheckpointConfigError(f"storage_options must be a dict (got a {type(self.storage_options).__name__})")
+        conc = self.upload_concurrency
+        if isinstance(conc, bool) or not isinstance(conc, int) or not 1 <= conc <= 256:
+            raise CheckpointConfigError(f"upload_concurrency={conc!r} is invalid: pass an int in 1..256 (parts in flight per rank)")
+        part = self.upload_part_bytes
+        minimum = S3_MIN_PART_BYTES if self.remote.split("://", 1)[0] in ("s3", "s3a") else 1 << 16
+        if isinstance(part, bool) or not isinstance(part, int) or part < minimum:
+            raise CheckpointConfigError(
+                f"upload_part_bytes={part!r} is invalid: pass an int >= {minimum} (S3 multipart parts are at least 5 MiB)"
+            )
+        rate = self.upload_bytes_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+            raise CheckpointConfigError(f"upload_bytes_per_s={rate!r} is invalid: pass bytes per second > 0, or None for no limit")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, MutableMapping
 
@@ -30,6 +32,8 @@ from .sharding import dtensor_layout, intersect, is_dtensor, row_span
 from .staging import tensor_view
 from .storage import Storage
 from .tree import is_stateful, join_key
+
+log = logging.getLogger("checkpointing")
 
 _MISSING = object()
 READ_THREADS = 4
@@ -259,24 +263,38 @@ class Sources:
     """Where this rank reads a step's data files from, in order of preference.
 
     The local tier holds the files the manifest places on its tier (a missing one there is damage,
-    reported as such); a remote tier, when it holds the step, holds every file.
+    reported as such) when it holds the step at all (`local` is None when it does not: pruned, or a
+    replaced node); a remote tier, when it holds the step, holds every primary copy. A shard whose
+    local copy fails verification is read again from the remote tier (see read_box).
     """
 
-    def __init__(self, manifest: Manifest, local: Storage, tier: str, remote: Storage | None = None, *, where: str = "") -> None:
+    def __init__(self, manifest: Manifest, local: Storage | None, tier: str, remote: Storage | None = None, *, where: str = "") -> None:
         self.tier_of = {f.path: f.tier for f in manifest.files}
         self.rank_of = {f.path: f.rank for f in manifest.files}
         self.local = local
         self.tier = tier
         self.remote = remote
         self.where = where
+        self._lock = threading.Lock()
+        self.remote_bytes = 0  # bytes read from the remote tier (restore's log line)
+        self.fallbacks: list[str] = []  # local copies that failed verification and were read remotely
 
     def pick(self, shard: ShardEntry) -> tuple[Storage, tuple[ChunkRef, ...]] | None:
-        for copy in shard.copies():
-            if not copy or self.tier_of.get(copy[0].file, "") in ("", self.tier):
-                return self.local, copy
+        if self.local is not None:
+            for copy in shard.copies():
+                if not copy or self.tier_of.get(copy[0].file, "") in ("", self.tier):
+                    return self.local, copy
         if self.remote is not None:
             return self.remote, shard.chunks
         return None
+
+    def count_remote(self, nbytes: int) -> None:
+        with self._lock:
+            self.remote_bytes += nbytes
+
+    def fell_back(self, note: str) -> None:
+        with self._lock:
+            self.fallbacks.append(note)
 
 
 @dataclasses.dataclass
@@ -338,7 +356,7 @@ def _overlapping(read: _Read) -> list[ShardEntry]:
 
 def read_box(sources: Sources, step: int, read: _Read) -> None:
     """Fill `read.dest` (its box of the global tensor) from every overlapping saved shard."""
-    entry, dest = read.entry, read.dest
+    entry = read.entry
     if math.prod(read.box_shape) == 0:
         return
     for shard in _overlapping(read):
@@ -349,13 +367,28 @@ def read_box(sources: Sources, step: int, read: _Read) -> None:
                 f"this rank cannot reach{sources.where}"
             )
         storage, chunks = found
-        whole = shard.offsets == read.box_offsets and shard.shape == read.box_shape
-        if whole and dest.device.type == "cpu" and dest.is_contiguous():
-            _read_chunks(storage, step, entry, chunks, tensor_view(dest), 0)  # straight into the target
-            continue
-        box = intersect(read.box_offsets, read.box_shape, shard.offsets, shard.shape)
-        assert box is not None
-        _copy_box(storage, step, entry, shard, chunks, box, read)
+        try:
+            _read_shard(storage, step, entry, shard, chunks, read, sources)
+        except CheckpointCorruptError as exc:
+            if storage is sources.remote or sources.remote is None:
+                raise
+            # the local copy is damaged or gone: the remote tier holds the step, read it from there
+            log.warning("checkpointing: %s; reading this shard from the remote tier %s instead", exc, sources.remote.url)
+            sources.fell_back(str(exc))
+            _read_shard(sources.remote, step, entry, shard, shard.chunks, read, sources)
+
+
+def _read_shard(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], read: _Read, sources: Sources) -> None:
+    dest = read.dest
+    if storage is sources.remote:
+        sources.count_remote(sum(c.length for c in chunks))
+    whole = shard.offsets == read.box_offsets and shard.shape == read.box_shape
+    if whole and dest.device.type == "cpu" and dest.is_contiguous():
+        _read_chunks(storage, step, entry, chunks, tensor_view(dest), 0)  # straight into the target
+        return
+    box = intersect(read.box_offsets, read.box_shape, shard.offsets, shard.shape)
+    assert box is not None
+    _copy_box(storage, step, entry, shard, chunks, box, read)
 
 
 def _copy_box(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], box: tuple, read: _Read) -> None:

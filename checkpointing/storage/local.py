@@ -106,6 +106,11 @@ class LocalStorage:
         with self._missing(path):
             return self._abs(path).stat().st_size
 
+    def mtime(self, path: str) -> float:
+        """Seconds since the epoch of the last change (not part of the protocol: gc's age filter)."""
+        with self._missing(path):
+            return self._abs(path).stat().st_mtime
+
     def list(self, prefix: str = "") -> list[str]:
         try:
             return sorted(os.listdir(self._abs(prefix)))

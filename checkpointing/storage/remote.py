@@ -266,6 +266,27 @@ class FsspecStorage:
             raise FileNotFoundError(f"{self._where(path)}: no such object (a directory)")
         return int(info["size"])
 
+    def mtime(self, path: str) -> float:
+        """Seconds since the epoch of the object's last change (not part of the protocol: gc's age filter)."""
+        if self.is_s3:
+            head = self._call("stat", path, lambda: self._s3("head_object", Key=self._key(path)))
+            return head["LastModified"].timestamp()
+        info = self._call("stat", path, lambda: self.fs.info(self._full(path)))
+        for key in ("mtime", "LastModified", "created"):
+            value = info.get(key)
+            if hasattr(value, "timestamp"):
+                return value.timestamp()
+            if isinstance(value, (int, float)):
+                return float(value)
+        return 0.0
+
+    def exists_with_size(self, path: str, nbytes: int) -> bool:
+        """Whether `path` exists with exactly `nbytes` (an upload that completed: objects appear whole)."""
+        try:
+            return self.size(path) == nbytes
+        except FileNotFoundError:
+            return False
+
     def list(self, prefix: str = "") -> list[str]:
         if self.is_s3:
             return sorted(self._s3_names(prefix, delimiter=True))

@@ -1,0 +1,90 @@
+"""Workers for the multi-rank remote-tier tests (spawned by _dist.run_ranks; module level so they import).
+
+Each rank has its own node-local directory `<base>/node<rank>`; the remote tier is a bucket on the
+test session's moto server (127.0.0.1), reached with the storage options the parent passes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from _dist import assert_same, build, full_state, train
+
+MiB = 1 << 20
+
+
+def _manager(base: str, rank: int, url: str, options: dict, **kwargs: Any):
+    from checkpointing import CheckpointManager
+
+    return CheckpointManager(f"{base}/node{rank}", remote=url, storage_options=options, timeout_s=60,
+                             upload_part_bytes=5 * MiB, **kwargs)
+
+
+def _state(model: Any, opt: Any, table: torch.Tensor) -> dict[str, Any]:
+    return {"model": model, "optim": opt, "table": table, "cfg": {"lr": 0.01}}
+
+
+def save_remote(rank: int, world: int, base: str, url: str, options: dict, ref_path: str) -> dict[str, Any]:
+    """Train, save step 1 on every node-local tier and the remote tier; return what each rank saw."""
+    model, opt = build(world)
+    train(model, opt, 2, rank=rank)
+    table = torch.arange(1 << 16, dtype=torch.float32)  # replicated: uploaded once in total
+    ref = full_state(model, opt)  # a collective: every rank takes part
+    if rank == 0:
+        torch.save(ref, ref_path)
+    with _manager(base, rank, url, options) as mgr:
+        stats = mgr.save(1, _state(model, opt, table)).wait()
+        return {"tier": stats.tier, "uploaded": stats.bytes_uploaded, "tiers": mgr.tiers(), "ok": stats.ok}
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def restore_remote(rank: int, world: int, base: str, url: str, options: dict, ref_path: str) -> str:
+    """Restore the newest step into a fresh model; check it bit-exactly; return this rank's restore log line."""
+    lines = _Lines()
+    logger = logging.getLogger("checkpointing")
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    model, opt = build(world, seed=5)
+    table = torch.zeros(1 << 16)
+    cfg: dict = {}
+    with _manager(base, rank, url, options) as mgr:
+        step = mgr.restore({"model": model, "optim": opt, "table": table, "cfg": cfg})
+    assert step == 1, step
+    assert_same(torch.load(ref_path), full_state(model, opt))
+    assert torch.equal(table, torch.arange(1 << 16, dtype=torch.float32)) and cfg == {"lr": 0.01}
+    return next(line for line in lines.lines if "restored step" in line)
+
+
+def upload_fails_on_one_rank(rank: int, world: int, base: str, url: str, options: dict, bad_rank: int) -> list[str]:
+    """Rank `bad_rank` gets 403s from the remote tier: the step stays local everywhere, every rank names it."""
+    from faults import Fault, inject
+
+    from checkpointing import CheckpointUploadError
+
+    x = torch.randn(1 << 18) + rank
+    out = []
+    with _manager(base, rank, url, options) as mgr:
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1)) if rank == bad_rank else None
+        try:
+            mgr.save(1, {"x": x}).wait()
+            out.append("uploaded")
+        except CheckpointUploadError as exc:
+            out.append(str(exc))
+        assert mgr.tiers() == {1: "local"}, mgr.tiers()
+        if proxy is not None:
+            proxy.faults.clear()
+        stats = mgr.save(2, {"x": x + 1}).wait()  # the next save uploads normally
+        out.append(stats.tier)
+        out.append(repr(mgr.tiers()))
+    return out

@@ -1,0 +1,148 @@
+"""The CLI on every tier: ls/inspect/verify/gc on a directory and on s3:// (moto on 127.0.0.1), with
+--storage-option or credentials from the environment; `report` on a real run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from s3_server import KEY, SECRET, client, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
+
+from _models import child_env
+from checkpointing import CheckpointManager, CheckpointUploadError
+from checkpointing.cli import _storage_options, main
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def run(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "250")
+
+    def call(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return call
+
+
+@pytest.fixture
+def saved(tmp_path, s3_bucket):
+    """Steps 1..3 on a local tier (keep_local=2) and an S3 tier (all kept)."""
+    url, options = s3_bucket
+    local = tmp_path / "local"
+    with CheckpointManager(local, remote=url, storage_options=options, upload_part_bytes=5 * MiB) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((1 << 16,), float(step)), "lr": 0.5}).wait()
+    return local, url, options
+
+
+def opts(options: dict) -> list[str]:
+    return ["-o", f"endpoint_url={options['endpoint_url']}", "-o", f"key={options['key']}", "-o", f"secret={options['secret']}",
+            "-o", "client_kwargs.region_name=us-east-1"]
+
+
+def test_storage_options_parse_nested_and_typed():
+    assert _storage_options(["a=1", "b=true", "c.d=x", "c.e=2.5", "u=http://h:9/p?q=1"]) == {
+        "a": 1, "b": True, "c": {"d": "x", "e": 2.5}, "u": "http://h:9/p?q=1"}
+    assert main(["ls", "s3://b/p", "-o", "novalue"]) == 2
+
+
+def test_ls_inspect_verify_on_s3_with_storage_options(saved, run):
+    local, url, options = saved
+    code, out = run("ls", url, *opts(options), "--json")
+    assert code == 0, out
+    rows = json.loads(out)
+    assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "committed")]
+    assert all(r["bytes"] > 0 and r["committed_at"] for r in rows)
+    code, out = run("inspect", url, *opts(options), "--step", "2")
+    assert code == 0 and "step 2" in out and "lr = 0.5" in out, out
+    code, out = run("verify", url, *opts(options))
+    assert code == 0 and "all 3 step(s) verified" in out, out
+    assert SECRET not in out
+
+
+def test_ls_with_remote_shows_where_each_step_is_durable(saved, run):
+    local, url, options = saved
+    code, out = run("ls", url, "--remote", url, *opts(options), "--json")
+    assert code == 0 and {r["tier"] for r in json.loads(out)} == {"local+remote"}, out
+
+
+def test_credentials_from_the_environment(saved, run, monkeypatch):
+    local, url, options = saved
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    code, out = run("ls", str(local), "--remote", url, "--json")
+    assert code == 0, out
+    assert [(r["step"], r["state"], r["tier"]) for r in json.loads(out)] == [
+        (1, "remote only", "remote"), (2, "committed", "local+remote"), (3, "committed", "local+remote")]
+    code, out = run("ls", str(local), "--remote", url)
+    assert code == 0 and "local+remote" in out and "remote only" in out, out
+    code, out = run("verify", url, "--step", "1")
+    assert code == 0 and "ok" in out, out
+
+
+def test_verify_finds_damage_on_s3_and_bad_credentials_fail_cleanly(saved, run):
+    local, url, options = saved
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    key = next(o["Key"] for o in client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-0000000002/")["Contents"]
+               if o["Key"].endswith(".pack"))
+    body = bytearray(client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[10] ^= 0xFF
+    client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    code, out = run("verify", url, *opts(options))
+    assert code == 1 and "DAMAGED step 2" in out and "1 of 3 step(s) damaged" in out, out
+    wrong = ["-o", f"endpoint_url={options['endpoint_url']}", "-o", "key=nobody", "-o", "secret=wrong-secret-123",
+             "-o", "client_kwargs.region_name=us-east-1"]
+    code, out = run("ls", "s3://no-such-bucket-x/p", *wrong)
+    assert code == 2 and "cannot open s3://no-such-bucket-x/p" in out and "wrong-secret-123" not in out, out
+
+
+def test_gc_removes_only_unreferenced_data(run, tmp_path, s3_bucket):
+    url, options = s3_bucket
+    kwargs = dict(remote=url, storage_options=options, upload_part_bytes=5 * MiB)
+    with CheckpointManager(tmp_path / "a", **kwargs) as a, CheckpointManager(tmp_path / "b", **kwargs) as b:
+        for step in (1, 2, 3):
+            a.save(step, {"w": torch.full((1 << 16,), float(step))}).wait()
+        with pytest.raises(CheckpointUploadError, match="another writer"):  # b started before a saved step 3
+            b.save(3, {"w": torch.zeros(1 << 16)}).wait()
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    client().put_object(Bucket=bucket, Key=f"{prefix}/step-0000000009/r00000.abc.pack", Body=b"x" * 100)  # never committed
+    code, out = run("gc", url, *opts(options), "--dry-run", "--min-age-s", "0")
+    assert code == 0, out
+    assert "would remove step-0000000009" in out and out.count("would remove step-0000000003/") == 2, out  # b's pack and manifest
+    code, out = run("gc", url, *opts(options), "--dry-run")  # everything is younger than an hour: left alone
+    assert "nothing unreferenced" in out, out
+    code, out = run("gc", url, *opts(options), "--min-age-s", "0")
+    assert code == 0 and "removed 3 unreferenced object(s)" in out, out
+    code, out = run("gc", url, *opts(options), "--min-age-s", "0")
+    assert "nothing unreferenced" in out
+    code, out = run("verify", url, *opts(options))
+    assert code == 0 and "all 3 step(s) verified" in out, out
+    code, out = run("gc", str(tmp_path / "b"), "--dry-run", "--min-age-s", "0")
+    assert code == 0 and "nothing unreferenced" in out, out
+
+
+def test_report_on_a_real_runs_metrics(saved, run, tmp_path):
+    local, url, options = saved
+    code, out = run("report", str(local))
+    assert code == 0, out
+    assert "upload" in out and "local+remote" in out and "3 saves, 3 ok" in out, out
+    code, out = run("report", str(local), "--json")
+    doc = json.loads(out)
+    assert [s["step"] for s in doc["saves"]] == [1, 2, 3] and all(s["upload_s"] > 0 for s in doc["saves"])
+    assert SECRET not in (local / "metrics.jsonl").read_text()
+    assert run("report", str(tmp_path / "nothing-here"))[0] == 2
+
+
+def test_the_console_script_entry_runs_report(saved):
+    local, _, _ = saved
+    r = subprocess.run([sys.executable, "-m", "checkpointing", "report", str(local)], env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "saves" in r.stdout, r.stderr

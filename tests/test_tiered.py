@@ -1,0 +1,388 @@
+"""The remote tier end to end: CheckpointManager(remote=...) on a moto S3 server (127.0.0.1), memory://
+and file://. Faults are injected by wrapping the real backend (tests/faults.py); ranks are real
+processes on gloo (tests/_dist.py, tests/_tiered.py). Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from faults import Fault, InjectedCrash, inject
+from s3_server import SECRET, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
+
+import _tiered
+from _dist import run_ranks
+from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointUploadError, catalog
+from checkpointing.storage import RetryPolicy, open_storage
+from checkpointing.verify import verify_step
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MiB = 1 << 20
+FAST = RetryPolicy(attempts=4, base_s=0.001, cap_s=0.005)
+
+
+def manager(local: Path, bucket: tuple[str, dict], **kwargs) -> CheckpointManager:
+    url, options = bucket
+    kwargs.setdefault("upload_part_bytes", 5 * MiB)
+    mgr = CheckpointManager(local, remote=url, storage_options=options, **kwargs)
+    mgr.remote_storage.retry = FAST  # transient faults are retried quickly
+    return mgr
+
+
+def state(seed: int, n: int = 1 << 18) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.randn(64, 33, generator=g), "step": seed, "cfg": {"name": "run"}}
+
+
+def blank(n: int = 1 << 18) -> dict:
+    return {"w": torch.zeros(n), "b": torch.zeros(64, 33), "step": -1, "cfg": {}}
+
+
+def same(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["step"] == b["step"] and a["cfg"] == b["cfg"]
+
+
+def remote_of(bucket: tuple[str, dict]):
+    return open_storage(bucket[0], bucket[1])
+
+
+def assert_remote_whole(remote) -> list[int]:
+    """Every step visible on the remote tier verifies completely: nothing half-uploaded is ever committed."""
+    committed = catalog.list_steps(remote).committed
+    for step in committed:
+        report = verify_step(remote, step)
+        assert report.ok, report.problems
+    return committed
+
+
+# ----------------------------------------------------------------------------- the happy path
+
+
+def test_save_uploads_every_step_and_restores_from_the_remote_only(tmp_path, s3_bucket):
+    local = tmp_path / "local"
+    with manager(local, s3_bucket, keep_local=None) as mgr:
+        handles = [mgr.save(s, state(s)) for s in (1, 2, 3)]
+        stats = [h.wait() for h in handles]
+        assert [s.tier for s in stats] == ["local+remote"] * 3 and all(s.ok for s in stats)
+        assert all(s.upload_s > 0 and s.bytes_uploaded > 0 and s.upload_bytes_per_s > 0 for s in stats)
+        assert mgr.tiers() == {1: "local+remote", 2: "local+remote", 3: "local+remote"}
+        assert mgr.steps() == [1, 2, 3]
+    remote = remote_of(s3_bucket)
+    assert assert_remote_whole(remote) == [1, 2, 3]
+    # the remote copy of each pack holds exactly its primary prefix (everything, with one rank)
+    manifest = catalog.load_manifest(remote, 3)
+    for f in manifest.files:
+        assert remote.size(f.path) == f.primary_bytes == f.nbytes
+    records = [json.loads(line) for line in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tier"] for r in records] == ["local+remote"] * 3 and all(r["upload_s"] > 0 for r in records)
+
+    shutil.rmtree(local)  # the machine is gone: a new one has only the bucket
+    target = blank()
+    with manager(tmp_path / "new-machine", s3_bucket) as mgr:
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote"}
+        assert mgr.restore(target) == 3 and same(target, state(3))
+        assert mgr.restore(target, step=1) == 1 and same(target, state(1))
+        mgr.save(4, state(4)).wait()  # and training goes on from there
+        assert mgr.tiers()[4] == "local+remote"
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_other_fsspec_remotes(tmp_path, scheme):
+    url = f"memory://ckpt-{uuid.uuid4().hex}/run" if scheme == "memory" else (tmp_path / "remote").as_uri()
+    with CheckpointManager(tmp_path / "a", remote=url, upload_part_bytes=1 * MiB) as mgr:
+        mgr.save(7, state(7)).wait()
+        assert mgr.tiers() == {7: "local+remote"}
+    target = blank()
+    with CheckpointManager(tmp_path / "b", remote=url) as mgr:
+        assert mgr.restore(target) == 7 and same(target, state(7))
+
+
+def test_options_are_validated_and_secrets_never_shown(tmp_path, s3_bucket):
+    url, options = s3_bucket
+    for kwargs, text in [
+        ({"remote": "/some/dir"}, "is not a URL"),
+        ({"remote": url, "upload_part_bytes": 1 * MiB}, "upload_part_bytes"),
+        ({"remote": url, "upload_concurrency": 0}, "upload_concurrency"),
+        ({"remote": url, "upload_bytes_per_s": -1}, "upload_bytes_per_s"),
+        ({"keep_remote": 2}, "without a remote tier"),
+        ({"storage_options": {"key": "k"}}, "without remote"),
+        ({"remote": "nosuchscheme://x/y"}, "no filesystem"),
+    ]:
+        with pytest.raises(CheckpointConfigError, match=text):
+            CheckpointManager(tmp_path / "x", **{"storage_options": options if "remote" in kwargs else None, **kwargs})
+    with pytest.raises(CheckpointConfigError, match="cannot use the remote tier") as info:
+        CheckpointManager(tmp_path / "y", remote="s3://no-such-bucket-here/p", storage_options=options)
+    assert SECRET not in str(info.value)
+    with manager(tmp_path / "z", s3_bucket, keep_remote=3) as mgr:
+        assert SECRET not in repr(mgr) and SECRET not in repr(mgr.options) and url in repr(mgr)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("fault", [
+    Fault("upload_part", "slowdown", times=2),
+    Fault("put_object", "slowdown", times=2),
+    Fault("upload_part", "reset", times=1),
+    Fault("put_object", "reset", times=2),
+    Fault("upload_part", "truncate", times=1),
+    Fault("complete_multipart_upload", "lost", times=1),
+], ids=lambda f: f"{f.op}-{f.kind}")
+def test_transient_faults_are_retried_and_the_step_becomes_durable(tmp_path, s3_bucket, fault):
+    with manager(tmp_path / "local", s3_bucket) as mgr:
+        proxy = inject(mgr.remote_storage, fault)
+        stats = mgr.save(1, state(1, n=3 << 20)).wait()  # 12 MB: a multipart upload of 3 parts
+        assert stats.ok and stats.tier == "local+remote"
+        assert fault.fired == fault.times, proxy.calls[-5:]
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1]
+    target = blank(3 << 20)
+    with manager(tmp_path / "other", s3_bucket) as mgr:
+        assert mgr.restore(target) == 1 and same(target, state(1, n=3 << 20))
+
+
+@pytest.mark.parametrize("fault, cause", [
+    (Fault("upload_part", "short", times=1), "part 1 is"),  # the server stored a truncated part: caught by ListParts
+    (Fault("put_object", "short", times=1, path="*.pack"), "expected"),  # a truncated single PUT: caught before COMMIT
+    (Fault("*", "denied", times=-1), "AccessDenied"),
+    (Fault("put_object", "crash", path="*/COMMIT"), "InjectedCrash"),  # dies between the data and the commit marker
+], ids=["short-part", "short-put", "denied", "crash-before-commit"])
+def test_failed_uploads_never_show_a_remote_step_and_leave_the_local_one(tmp_path, s3_bucket, fault, cause, caplog):
+    n = 3 << 20 if fault.op == "upload_part" else 1 << 18
+    with manager(tmp_path / "local", s3_bucket, keep_local=None) as mgr:
+        proxy = inject(mgr.remote_storage, fault)
+        h = mgr.save(1, state(1, n=n))
+        with pytest.raises(CheckpointUploadError, match=cause) as info:
+            h.wait()
+        message = str(info.value)
+        assert "step 1" in message and "committed on the local tier" in message and SECRET not in message
+        assert catalog.list_steps(remote_of(s3_bucket)).committed == []
+        assert mgr.tiers() == {1: "local"}
+        records = [json.loads(line) for line in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["ok"] is False and records[-1]["tier"] == "local" and cause in records[-1]["error"]
+        target = blank(n)
+        assert mgr.restore(target) == 1 and same(target, state(1, n=n))  # the local step is untouched
+        proxy.faults.clear()
+        assert mgr.save(2, state(2, n=n)).wait().tier == "local+remote"  # the next save uploads again
+        mgr.wait()  # the error was reported once
+    assert assert_remote_whole(remote_of(s3_bucket)) == [2]
+    assert SECRET not in caplog.text
+
+
+def test_an_upload_error_surfaces_at_the_next_save_or_wait(tmp_path, s3_bucket):
+    with manager(tmp_path / "local", s3_bucket) as mgr:
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1))
+        mgr.save(1, state(1))
+        with pytest.raises(CheckpointUploadError):
+            mgr.wait()
+        mgr.wait()  # once
+        mgr.save(2, state(2))
+        h3 = mgr.save(3, state(3))  # the upload of 2 has not necessarily finished: not raised yet
+        with pytest.raises(CheckpointUploadError, match="step 2"):
+            mgr.save(4, state(4))  # waits for the upload before last (2), raises its error, saves nothing
+        while not h3.done():
+            time.sleep(0.01)
+        proxy.faults.clear()
+        with pytest.raises(CheckpointUploadError, match="step 3"):
+            mgr.wait()
+        mgr.save(5, state(5)).wait()
+        assert mgr.tiers() == {3: "local", 5: "local+remote"}  # keep_local=2; 4 was never saved
+
+
+def test_a_crash_between_data_and_commit_resumes_when_the_manager_starts_again(tmp_path, s3_bucket, caplog):
+    local = tmp_path / "local"
+    with manager(local, s3_bucket) as mgr:
+        inject(mgr.remote_storage, Fault("put_object", "crash", path="*/COMMIT"))
+        with pytest.raises(CheckpointUploadError, match="InjectedCrash"):
+            mgr.save(1, state(1, n=3 << 20)).wait()
+    remote = remote_of(s3_bucket)
+    listing = catalog.list_steps(remote)
+    assert listing.committed == [] and listing.incomplete == [1]  # data and manifest are there, invisible
+    caplog.set_level(logging.INFO, logger="checkpointing")
+    with manager(local, s3_bucket) as mgr:
+        mgr.wait()  # the resumed upload
+        assert mgr.tiers() == {1: "local+remote"}
+    resumed = [r.getMessage() for r in caplog.records if "resumed upload of step 1" in r.getMessage()]
+    assert resumed and "0.0 MB sent" in resumed[0], resumed  # the data objects were reused, not sent again
+    assert assert_remote_whole(remote) == [1]
+
+
+_CHILD = textwrap.dedent(r"""
+    import sys, time, torch
+    from pathlib import Path
+    from checkpointing import CheckpointManager
+    local, url, endpoint, key, secret = sys.argv[1:6]
+    options = {"endpoint_url": endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "us-east-1"}}
+    mgr = CheckpointManager(local, remote=url, storage_options=options, upload_part_bytes=5 << 20, upload_bytes_per_s=4e6)
+    mgr.save(1, {"w": torch.arange(4 << 20, dtype=torch.float32)})
+    while not (Path(local) / "step-0000000001" / "COMMIT").exists():
+        time.sleep(0.01)
+    print("committed", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_process_killed_while_uploading_restarts_the_upload_from_the_local_copy(tmp_path, s3_bucket):
+    url, options = s3_bucket
+    local = tmp_path / "local"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(local), url, options["endpoint_url"], options["key"], options["secret"]],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    try:
+        assert child.stdout.readline().strip() == "committed"
+        time.sleep(0.5)  # part of the 16 MB is on its way at 4 MB/s
+    finally:
+        child.kill()
+        child.wait()
+    remote = remote_of(s3_bucket)
+    assert catalog.list_steps(remote).committed == []
+    with manager(local, s3_bucket) as mgr:
+        mgr.wait()
+        assert mgr.tiers() == {1: "local+remote"}
+    target = {"w": torch.zeros(4 << 20)}
+    with manager(tmp_path / "elsewhere", s3_bucket) as mgr:
+        assert mgr.restore(target) == 1 and torch.equal(target["w"], torch.arange(4 << 20, dtype=torch.float32))
+
+
+def test_a_damaged_local_copy_is_read_from_the_remote_tier(tmp_path, s3_bucket, caplog):
+    local = tmp_path / "local"
+    with manager(local, s3_bucket) as mgr:
+        mgr.save(1, state(1)).wait()
+    pack = next((local / "step-0000000001").glob("*.pack"))
+    with open(pack, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    target = blank()
+    with manager(local, s3_bucket) as mgr:
+        assert mgr.restore(target) == 1 and same(target, state(1))
+    assert any("are damaged" in r.getMessage() and "from the remote tier" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    manifest = next((local / "step-0000000001").glob("manifest.*.json"))
+    manifest.write_bytes(manifest.read_bytes().replace(b'"world_size":1', b'"world_size":2'))
+    caplog.clear()
+    target = blank()
+    with manager(local, s3_bucket) as mgr:
+        assert mgr.restore(target) == 1 and same(target, state(1))
+    assert any("manifest of step 1 from the remote tier" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- retention and conflicts
+
+
+def test_retention_on_both_tiers_keeps_steps_waiting_for_their_upload(tmp_path, s3_bucket):
+    with manager(tmp_path / "local", s3_bucket, keep_local=1, keep_remote=2) as mgr:
+        gate = threading.Event()
+        real = mgr.remote_storage.upload_file
+
+        def gated(*args, **kwargs):
+            assert gate.wait(30)
+            return real(*args, **kwargs)
+
+        mgr.remote_storage.upload_file = gated
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))  # step 1 is committed locally, its upload is held at the gate
+        deadline = time.monotonic() + 20
+        while catalog.list_steps(mgr.storage).committed != [1, 2]:
+            assert time.monotonic() < deadline, catalog.list_steps(mgr.storage)
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert catalog.list_steps(mgr.storage).committed == [1, 2]  # keep_local=1, but 1 is not on the remote tier yet
+        gate.set()
+        mgr.wait()
+        assert mgr.tiers() == {1: "remote", 2: "local+remote"}
+        for s in (3, 4, 5):
+            mgr.save(s, state(s)).wait()
+        assert mgr.tiers() == {4: "remote", 5: "local+remote"}
+    assert catalog.list_steps(remote_of(s3_bucket)).committed == [4, 5]
+
+
+def test_the_conditional_commit_refuses_a_second_writer(tmp_path, s3_bucket):
+    a = manager(tmp_path / "a", s3_bucket)
+    b = manager(tmp_path / "b", s3_bucket)
+    try:
+        a.save(5, state(5)).wait()
+        with pytest.raises(CheckpointUploadError, match="already committed .* by another writer"):
+            b.save(5, state(50)).wait()
+        with manager(tmp_path / "c", s3_bucket) as c, pytest.raises(CheckpointError, match="already committed"):
+            c.save(5, state(6))  # a manager that sees step 5 on the remote tier refuses it in save()
+        # both race for step 6: exactly one commits it
+        results = {}
+
+        def race(name, mgr, seed):
+            try:
+                mgr.save(6, state(seed)).wait()
+                results[name] = "won"
+            except CheckpointUploadError as exc:
+                results[name] = str(exc)
+
+        threads = [threading.Thread(target=race, args=(n, m, s)) for n, m, s in (("a", a, 60), ("b", b, 61))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert list(results.values()).count("won") == 1, results
+        loser = next(v for v in results.values() if v != "won")
+        assert "already committed" in loser and "another writer" in loser, loser
+    finally:
+        a.close()
+        b.close()
+    winner = 60 if results["a"] == "won" else 61
+    target = blank()
+    with manager(tmp_path / "d", s3_bucket) as mgr:
+        assert mgr.restore(target) == 6 and same(target, {**state(winner), "step": winner})
+        assert mgr.restore(target, step=5) == 5 and same(target, state(5))  # a's, not b's
+    garbage, problems = catalog.find_garbage(remote_of(s3_bucket))
+    assert not problems and len(garbage) == 4  # the loser's pack and manifest, for steps 5 and 6
+
+
+# ----------------------------------------------------------------------------- several ranks
+
+
+def _bucket_args(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    return str(tmp_path / "nodes"), url, options
+
+
+def test_node_failure_restores_the_lost_rank_from_object_storage(tmp_path, s3_bucket):
+    base, url, options = _bucket_args(s3_bucket, tmp_path)
+    ref = str(tmp_path / "ref.pt")
+    saved = run_ranks(_tiered.save_remote, 2, base, url, options, ref, tmp=tmp_path)
+    assert [s["tier"] for s in saved] == ["local+remote"] * 2 and all(s["ok"] for s in saved)
+    manifest = catalog.load_manifest(remote_of(s3_bucket), 1)
+    # replicated data went up once in total: the ranks uploaded exactly the primary prefixes
+    assert sum(s["uploaded"] for s in saved) == sum(f.primary_bytes for f in manifest.files)
+    assert sum(f.primary_bytes for f in manifest.files) < sum(f.nbytes for f in manifest.files)  # replicas stay local
+
+    shutil.rmtree(Path(base) / "node1")  # node 1 is replaced by an empty machine
+    lines = run_ranks(_tiered.restore_remote, 2, base, url, options, ref, tmp=tmp_path)
+    assert "from the remote tier" not in lines[0], lines[0]  # rank 0 reads its local copy
+    assert "from the remote tier" in lines[1] and str(Path(base) / "node1") not in lines[1], lines[1]
+
+    shutil.rmtree(base)  # a brand-new cluster: everything comes from the bucket
+    lines = run_ranks(_tiered.restore_remote, 2, base, url, options, ref, tmp=tmp_path)
+    assert all("from the remote tier" in line for line in lines), lines
+
+
+def test_an_upload_failing_on_one_rank_fails_the_step_remotely_on_every_rank(tmp_path, s3_bucket):
+    base, url, options = _bucket_args(s3_bucket, tmp_path)
+    results = run_ranks(_tiered.upload_fails_on_one_rank, 2, base, url, options, 1, tmp=tmp_path)
+    for first, tier, tiers in results:
+        assert "upload of step 1" in first and "rank 1:" in first and "AccessDenied" in first, first
+        assert tier == "local+remote" and tiers == repr({1: "local", 2: "local+remote"})
+    assert assert_remote_whole(remote_of(s3_bucket)) == [2]
+
+
+def test_injected_crash_is_not_a_storage_error():
+    assert not isinstance(InjectedCrash("x"), OSError)  # so no layer retries it: it stands for a dead process
