@@ -65,6 +65,10 @@ class SaveHandle:
         """Durable on every configured tier (or failed)."""
         return self._job.done.is_set() and (self._upload is None or self._upload.done.is_set())
 
+    def local_done(self) -> bool:
+        """Committed on the local tier (or failed); with a remote tier the upload may still run."""
+        return self._job.done.is_set()
+
     def wait_staged(self) -> None:
         """Block until the snapshot no longer reads live tensors (then they may be mutated)."""
         self._manager._guard(self._job)

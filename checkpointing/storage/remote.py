@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Mapping, TypeVar
 
 import fsspec
@@ -247,11 +247,23 @@ class FsspecStorage:
         return bytes(self._call("read", path, lambda: self.fs.cat_file(self._full(path), **kwargs)))
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        """Read len(buf) bytes at `offset`; a range larger than part_bytes is fetched as parallel ranged GETs."""
         view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
         n = len(view)
         if n == 0:
             self.size(path)  # a missing object is an error even for an empty read
             return
+        if n <= self.part_bytes or self.max_concurrency == 1:
+            self._read_range(path, offset, view)
+            return
+        pool = self._executor()
+        futures = [pool.submit(self._read_range, path, offset + o, view[o : o + self.part_bytes]) for o in range(0, n, self.part_bytes)]
+        wait(futures)  # every range lands (or fails) before the buffer is handed back
+        for fut in futures:
+            fut.result()
+
+    def _read_range(self, path: str, offset: int, view: memoryview) -> None:
+        n = len(view)
         data = self._call("read", path, lambda: self.fs.cat_file(self._full(path), start=offset, end=offset + n))
         if len(data) < n:
             raise EOFError(f"{self._where(path)} ends at byte {offset + len(data)}, {n - len(data)} bytes short")
