@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench env clean
+.PHONY: demo demo-local test bench bench-tiered env clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,19 @@ env: $(VENV)/.ready
 demo: env
 	$(PY) examples/demo.py
 
+# the demo without the remote tier (no embedded S3 server)
+demo-local: env
+	$(PY) examples/demo.py --remote none
+
 test: env
 	$(PY) -m pytest -q
 
 bench: env
 	$(PY) bench/bench_core.py
+
+# remote tier: ~1 GB step against plain s3fs on an embedded S3 (a few minutes)
+bench-tiered: env
+	$(PY) bench/bench_tiered.py --md bench/out/tiered.md
 
 clean:
 	rm -rf $(VENV) demo-run bench/out

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""checkpointing demo: asynchronous checkpoints, a hard crash, and a verified resume.
+"""checkpointing demo: asynchronous checkpoints, a hard crash, a verified resume, and a lost node.
 
-What it does (about 15-30 s on 2 CPU cores):
+What it does (about 20-40 s on 2 CPU cores):
 
 1. Run 1 trains a small MLP (~3.1 M parameters, ~38 MB of model + AdamW state) on synthetic
    data in a *child process*, saving an asynchronous checkpoint every few steps. Right after one
@@ -12,8 +12,16 @@ What it does (about 15-30 s on 2 CPU cores):
 3. It prints the steps on disk, the restored step, the losses around the resume point (the
    replayed steps reproduce the crashed run's losses: data, dropout RNG, optimizer and LR
    schedule all come back) and a stall table built from metrics.jsonl / mgr.stats().
+4. The remote tier: every committed step is also uploaded in the background to S3 (by default an
+   embedded moto server on 127.0.0.1 that the demo starts and stops). Then the node is "lost": the
+   demo deletes its local directory, and a fresh manager restores the newest step from object
+   storage alone, bit for bit.
 
 Usage:  python examples/demo.py [--dir ./demo-run/ckpt] [--steps 60] [--every 5] [--kill-after 30]
+                                [--remote embedded | s3://bucket/prefix | none]
+A real bucket: --remote s3://bucket/prefix with credentials in the environment (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or AWS_PROFILE; AWS_ENDPOINT_URL for S3-compatible
+stores); use an empty prefix. See docs/tiered.md.
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ import torch.nn as nn
 # ----------------------------------------------------------------------------- the training job
 D_IN, HIDDEN, DEPTH, BATCH = 512, 1024, 2, 256
 KEEP_LOCAL = 3
+KEEP_REMOTE = 6
 
 
 def make_model() -> nn.Module:
@@ -106,6 +115,55 @@ def train(mgr: CheckpointManager, state: dict, first: int, last: int, every: int
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def tier_kwargs() -> dict:
+    """Manager arguments for the tiers; the remote URL and its options travel to the child in the environment."""
+    kwargs: dict = {"keep_local": KEEP_LOCAL}
+    url = os.environ.get("CKPT_DEMO_REMOTE")
+    if url:
+        kwargs.update(remote=url, keep_remote=KEEP_REMOTE, storage_options=json.loads(os.environ.get("CKPT_DEMO_OPTIONS") or "{}"))
+    return kwargs
+
+
+def start_remote(choice: str, con) -> tuple[object | None, str | None]:
+    """(server to stop at the end, remote URL) for --remote; sets the environment the child reads."""
+    if choice == "none":
+        return None, None
+    if choice == "embedded":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from embedded_s3 import EmbeddedS3
+
+        server = EmbeddedS3()
+        try:
+            server.start()
+        except RuntimeError as exc:
+            con.print(f"[yellow]no remote tier[/]: {exc}")
+            return None, None
+        url = server.bucket("demo") + "/run1"
+        os.environ["CKPT_DEMO_OPTIONS"] = json.dumps(server.storage_options)
+        con.print(f"remote tier: embedded S3 (moto) at {server.endpoint}, bucket {url}")
+    else:
+        from checkpointing import catalog
+        from checkpointing.storage import open_storage
+
+        server, url = None, choice
+        if catalog.list_steps(open_storage(url)).committed:
+            sys.exit(f"{url} already holds checkpoints: pass an empty prefix for the demo")
+        con.print(f"remote tier: {url} (credentials from the environment)")
+    os.environ["CKPT_DEMO_REMOTE"] = url
+    return server, url
+
+
+def tier_table(tiers: dict):
+    from rich.table import Table
+
+    t = Table()
+    t.add_column("step", justify="right")
+    t.add_column("durable on")
+    for step, where in tiers.items():
+        t.add_row(str(step), {"local": "[yellow]local[/]", "remote": "[cyan]remote[/]"}.get(where, f"[green]{where}[/]"))
+    return t
+
+
 # ----------------------------------------------------------------------------- run 1 (the child)
 def child_main(args: argparse.Namespace) -> None:
     def emit(ev: dict) -> None:
@@ -113,7 +171,7 @@ def child_main(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
     state = build_state(args.steps)
-    mgr = CheckpointManager(args.dir, keep_local=KEEP_LOCAL, snapshot="async")
+    mgr = CheckpointManager(args.dir, snapshot="async", **tier_kwargs())
     emit({"ev": "start", "pid": os.getpid()})
     train(mgr, state, 1, args.steps, args.every, emit, kill_after=args.kill_after)
     mgr.close()  # not reached when --kill-after <= --steps
@@ -172,6 +230,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="save every N steps")
     ap.add_argument("--kill-after", type=int, default=None,
                     help="run 1 SIGKILLs itself right after this step's save (default: ~half way)")
+    ap.add_argument("--remote", default="embedded",
+                    help="remote tier: 'embedded' (moto S3 on 127.0.0.1, started and stopped here), an s3://bucket/prefix "
+                         "URL (credentials from the environment), or 'none'")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.kill_after is None:
@@ -180,7 +241,6 @@ def main() -> None:
         return child_main(args)
 
     from rich.console import Console
-    from rich.table import Table
 
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 112)
     ckpt = Path(args.dir)
@@ -192,6 +252,17 @@ def main() -> None:
     con.print(f"model: MLP {D_IN}-{HIDDEN}x{DEPTH}-{D_IN}, {n_params / 1e6:.2f} M params, "
               f"~{n_params * 4 * 3 / 1e6:.0f} MB of model + AdamW state; {args.steps} steps, "
               f"async save every {args.every} steps into {ckpt} (keep_local={KEEP_LOCAL})")
+    server, remote_url = start_remote(args.remote, con)
+    try:
+        run_demo(args, con, ckpt, t_start, remote_url)
+    finally:
+        if server is not None:
+            server.stop()
+            con.print("[dim]embedded S3 server stopped[/]")
+
+
+def run_demo(args: argparse.Namespace, con, ckpt: Path, t_start: float, remote_url: str | None) -> None:
+    from rich.table import Table
 
     # --- run 1: a child process that crashes itself ------------------------------------------
     con.print(f"\n[bold]run 1[/]: child process, will SIGKILL itself right after save({args.kill_after}) returns")
@@ -239,18 +310,25 @@ def main() -> None:
                 con.print(f"  step {ev['step']:3d}  loss {ev['loss']:.5f}  "
                           f"save({ev['step']}) returned after {ev['save_call_s'] * 1e3:.1f} ms")
 
-    with CheckpointManager(ckpt, keep_local=KEEP_LOCAL, snapshot="async") as mgr:
+    with CheckpointManager(ckpt, snapshot="async", **tier_kwargs()) as mgr:
         steps_before = mgr.steps()
         con.print(f"  mgr.steps()   -> {steps_before}")
+        if remote_url:
+            con.print(f"  mgr.tiers()   -> {mgr.tiers()}")
+            con.print("                   (a step committed locally but not uploaded before the crash is uploaded now)")
         t0 = time.perf_counter()
         restored = mgr.restore(state)
         con.print(f"  mgr.restore() -> [bold]{restored}[/]  ({(time.perf_counter() - t0) * 1e3:.0f} ms, "
                   f"every chunk verified)")
         train(mgr, state, (restored or 0) + 1, args.steps, args.every, emit2)
-        mgr.wait()
+        mgr.wait()  # every save durable on every tier
         stats2 = [s.as_dict() for s in mgr.stats()]
         steps_after = mgr.steps()
+        tiers_after = mgr.tiers()
     con.print(f"  mgr.steps() at the end -> {steps_after}")
+    if remote_url:
+        con.print(f"\ntiers at the end (keep_local={KEEP_LOCAL}, keep_remote={KEEP_REMOTE}):")
+        con.print(tier_table(tiers_after))
 
     # --- losses around the resume point -------------------------------------------------------
     r = restored or 0
@@ -278,14 +356,15 @@ def main() -> None:
                caption="stall: loop blocked (save() + guard before the next optimizer.step()); "
                        "the snapshot copy overlaps forward/backward", caption_justify="left")
     for c in ("run", "step", "wait_prev", "stall", "snapshot", "write", "commit", "total",
-              "MB written", "MB/s"):
+              "MB written", "MB/s") + (("upload",) if remote_url else ()):
         st.add_column(c, justify="right")
     for run, m in rows:
         ok = m.get("ok", True)
         st.add_row(str(run), str(m.get("step")) + ("" if ok else " [red]FAILED[/]"),
                    ms(num(m, "wait_prev_s")), ms(num(m, "stall_s")), ms(num(m, "snapshot_s")),
                    ms(num(m, "write_s")), ms(num(m, "commit_s")), ms(num(m, "total_s")),
-                   f"{num(m, 'bytes_written') / 1e6:.1f}", f"{num(m, 'write_bytes_per_s') / 1e6:,.0f}")
+                   f"{num(m, 'bytes_written') / 1e6:.1f}", f"{num(m, 'write_bytes_per_s') / 1e6:,.0f}",
+                   *((ms(num(m, "upload_s")),) if remote_url else ()))
     lost = [s for s in run1 if "save_call_s" in run1[s] and
             not any(run == 1 and m.get("step") == s for run, m in rows)]
     con.print()
@@ -312,9 +391,40 @@ def main() -> None:
     if not math.isnan(med_stall):
         con.print(f"stall / step             {med_stall / med_step:.1%} of one step; saving every "
                   f"{args.every} steps costs ~{med_stall / (args.every * med_step):.1%} of training time")
+    uploads = [num(m, "upload_s") for _, m in rows if m.get("ok", True)]
+    uploads = [u for u in uploads if not math.isnan(u)]
+    if uploads:
+        con.print(f"median commit to remote  {statistics.median(uploads) * 1e3:.1f} ms   (local commit -> durable on S3, "
+                  f"in the background)")
+    if remote_url:
+        lost_node(con, ckpt, args, state)
     con.print(f"wall time                {time.perf_counter() - t_start:.1f} s")
-    con.print(f"\n[dim]inspect it: {Path(sys.executable).name} -m checkpointing ls {ckpt}   "
-              f"|   ... verify {ckpt}[/]")
+    hint = f"{Path(sys.executable).name} -m checkpointing ls {ckpt}   |   ... verify {ckpt}"
+    if remote_url and args.remote != "embedded":
+        hint += f"   |   ... ls {ckpt} --remote {remote_url}   |   ... verify {remote_url}"
+    con.print(f"\n[dim]inspect it: {hint}[/]")
+
+
+def lost_node(con, ckpt: Path, args: argparse.Namespace, trained: dict) -> None:
+    """The node dies with its disk: restore on a 'new machine' (an empty local directory) from S3 alone."""
+    con.print()
+    con.rule("[bold]lost node")
+    shutil.rmtree(ckpt)
+    con.print(f"deleted the local tier {ckpt} (the node and its NVMe are gone)")
+    state = build_state(args.steps)
+    with CheckpointManager(ckpt, snapshot="async", **tier_kwargs()) as mgr:
+        con.print(f"  new manager, empty local directory: mgr.tiers() -> {mgr.tiers()}")
+        t0 = time.perf_counter()
+        restored = mgr.restore(state)
+        dt = time.perf_counter() - t0
+    same = all(torch.equal(a, b) for a, b in zip(trained["model"].state_dict().values(), state["model"].state_dict().values()))
+    opt_same = all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in
+                   zip(trained["optim"].state_dict()["state"].values(), state["optim"].state_dict()["state"].values()))
+    con.print(f"  mgr.restore() -> [bold]{restored}[/] from the remote tier in {dt * 1e3:.0f} ms; model "
+              f"{'[green]identical[/]' if same else '[red]DIFFERENT[/]'} to the end of run 2, AdamW state "
+              f"{'[green]identical[/]' if opt_same else '[red]DIFFERENT[/]'}")
+    if not (same and opt_same):
+        sys.exit("the state restored from the remote tier differs")
 
 
 if __name__ == "__main__":
