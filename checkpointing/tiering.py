@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from . import catalog, layout
 from .coordinator import LocalCoordinator
@@ -86,7 +86,7 @@ class Uploader:
         self._lock = threading.Lock()
         self._pending: list[UploadJob] = []  # queued or running, in order
         self._seq = 0
-        self.remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows
+        self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
         self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
         self._thread.start()
 
@@ -100,6 +100,17 @@ class Uploader:
     def pending_steps(self) -> set[int]:
         with self._lock:
             return {j.step for j in self._pending}
+
+    def remote_steps(self) -> set[int]:
+        """Steps committed on the remote tier as this rank last saw them (no request: for save()'s checks)."""
+        with self._lock:
+            return set(self._remote_steps)
+
+    def saw_remote(self, *, added: Iterable[int] = (), removed: Iterable[int] = ()) -> None:
+        """Record steps this rank committed on (or removed from) the remote tier."""
+        with self._lock:
+            self._remote_steps |= set(added)
+            self._remote_steps -= set(removed)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -123,7 +134,7 @@ class Uploader:
             except BaseException as exc:  # noqa: BLE001 - reported through the committer, then kept
                 error = exc
             self.committer.commit(job, error, job.transfer_s)
-            self.remote_steps.add(job.step)
+            self.saw_remote(added={job.step})
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
         job.t_done = time.perf_counter()
@@ -171,8 +182,7 @@ class Uploader:
                     log.info("checkpointing: removing incomplete step %d (an upload that did not commit) from %s", old, self.remote.url)
                     self.remote.delete(layout.step_dir(old))
             if self.keep_remote is not None:
-                deleted = catalog.apply_retention(self.remote, self.keep_remote, protect=step)
-                self.remote_steps.difference_update(deleted)
+                self.saw_remote(removed=catalog.apply_retention(self.remote, self.keep_remote, protect=step))
         except Exception as exc:  # noqa: BLE001 - retried after the next upload; never stop the thread
             log.warning("checkpointing: retention on the remote tier after step %d failed: %s", step, exc)
 
@@ -193,7 +203,7 @@ def start_uploader(
         LocalTierCommitter(local, remote) if isinstance(coord, LocalCoordinator) else StoreTierCommitter(coord, local, remote)
     )
     uploader = Uploader(local, remote, committer, rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish)
-    uploader.remote_steps.update(listing.committed)
+    uploader.saw_remote(added=set(listing.committed))
     mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
     resumed = []
     for step in agree_resume(coord, sorted(mine)):

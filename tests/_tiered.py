@@ -88,3 +88,24 @@ def upload_fails_on_one_rank(rank: int, world: int, base: str, url: str, options
         out.append(stats.tier)
         out.append(repr(mgr.tiers()))
     return out
+
+
+def crash_then_resume(rank: int, world: int, base: str, url: str, options: dict, phase: str) -> Any:
+    """phase 'crash': rank 0 'dies' between the data and COMMIT; phase 'resume': new managers finish the upload."""
+    from faults import Fault, inject
+
+    from checkpointing import CheckpointUploadError
+
+    with _manager(base, rank, url, options) as mgr:
+        if phase == "crash":
+            if rank == 0:
+                inject(mgr.remote_storage, Fault("put_object", "crash", path="*/COMMIT"))
+            try:
+                mgr.save(1, {"x": torch.full((1 << 18,), float(rank))}).wait()
+            except CheckpointUploadError as exc:
+                return str(exc)
+            return "uploaded"
+        mgr.wait()  # the upload resumed at start-up
+        x = {"x": torch.zeros(1 << 18)}
+        assert mgr.restore(x) == 1 and torch.equal(x["x"], torch.full((1 << 18,), float(rank)))
+        return mgr.tiers()
