@@ -10,11 +10,12 @@ Across ranks (a torch.distributed process group of more than one rank), every ra
 shards to its local tier and the coordinator (coordinator.py) commits the step through the store;
 construction and restore() are collective calls, save() is not (it never waits on another rank).
 
-With a remote tier (remote=...), a second background thread (tiering.py) uploads each step once it
-is committed locally. save() does not wait for that upload, only for the one before it: at most
-one step uploads while the next one is written, so a link slower than the checkpoint interval
-shows up as wait_prev_s instead of an unbounded backlog of local steps. handle.wait() and wait()
-return once a step is durable on every tier.
+The background half (the I/O thread's work per save, and what follows each upload) is in
+background.py. With a remote tier (remote=...), a second background thread (tiering.py) uploads
+each step once it is committed locally. save() does not wait for that upload, only for the one
+before it: at most one step uploads while the next one is written, so a link slower than the
+checkpoint interval shows up as wait_prev_s instead of an unbounded backlog of local steps.
+handle.wait() and wait() return once a step is durable on every tier.
 """
 
 from __future__ import annotations
