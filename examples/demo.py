@@ -21,7 +21,7 @@ Usage:  python examples/demo.py [--dir ./demo-run/ckpt] [--steps 60] [--every 5]
                                 [--remote embedded | s3://bucket/prefix | none]
 A real bucket: --remote s3://bucket/prefix with credentials in the environment (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or AWS_PROFILE; AWS_ENDPOINT_URL for S3-compatible
-stores); use an empty prefix. See docs/tiered.md.
+stores); use an empty prefix. See the README, "A durable copy in object storage".
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 It runs in its own process so that its request handling (Python) does not share the GIL with the
 training loop. The child also exits when its parent dies (it watches its stdin). Needs
 `pip install 'moto[server]'` (part of the dev extra). The credentials are made up: only this server
-sees them. For a real bucket pass its URL and real credentials instead (see docs/tiered.md).
+sees them. For a real bucket pass its URL and real credentials instead (see the README, "A durable copy in object storage").
 """
 
 from __future__ import annotations
