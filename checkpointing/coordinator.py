@@ -50,6 +50,10 @@ class RanksFailedError(CheckpointError):
 class CoordinationTimeout(CheckpointError):
     """A rank did not answer in time: it died, hangs, or is far slower than the others."""
 
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks or []  # the ranks that did not answer
+
 
 class CoordinationLost(CheckpointError):
     """The torch.distributed store is unreachable (its host process is gone)."""
@@ -356,14 +360,6 @@ class PeerFailed(CheckpointError):
     def __init__(self, rank: int) -> None:
         super().__init__(f"rank {rank} failed")
         self.peer = rank
-
-
-def _coordination_timeout_init(self: CoordinationTimeout, message: str, ranks: list[int] | None = None) -> None:
-    Exception.__init__(self, message)
-    self.ranks = ranks or []
-
-
-CoordinationTimeout.__init__ = _coordination_timeout_init  # type: ignore[method-assign]
 
 
 def rank_of(key: str) -> int:
