@@ -4,10 +4,8 @@
    size; at another world size the ranks' trees merged, per-rank values refused by name). Collect
    every problem (missing or unexpected keys, shape/dtype/type mismatches); raise them together
    before touching anything.
-2. Read: each target covers a box of its global tensor (a DTensor its local shard, a plain tensor
-   all of it). Every saved shard overlapping the box is read from a copy this rank can reach (its
-   local tier, else the remote one): whole chunks, each verified against its digest, straight into
-   the target's memory when the box is exactly one saved shard (the usual same-world case).
+2. Read (reading.py): each target covers a box of its global tensor (a DTensor its local shard, a
+   plain tensor all of it), filled from every saved shard overlapping it, verified.
 3. Apply: load_state_dict() on stateful objects, assign primitives into the user's containers.
 """
 
@@ -15,9 +13,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import logging
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, MutableMapping
 
@@ -26,17 +22,13 @@ import torch
 
 from .codecs import Codec
 from .dtypes import dtype_from_name
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StateError
-from .manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, chunk_digest
-from .sharding import dtensor_layout, intersect, is_dtensor, row_span
-from .staging import tensor_view
-from .storage import Storage
+from .errors import CheckpointMismatchError, StateError
+from .manifest import Manifest
+from .reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
+from .sharding import dtensor_layout, is_dtensor
 from .tree import is_stateful, join_key
 
-log = logging.getLogger("checkpointing")
-
 _MISSING = object()
-READ_THREADS = 4
 
 
 def _has_tensors(node: Any) -> bool:
@@ -67,14 +59,6 @@ def _target_has_tensors(obj: Any) -> bool:
     return is_stateful(obj)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Read:
-    entry: TensorEntry
-    dest: torch.Tensor  # local memory to fill (a DTensor's local shard)
-    box_offsets: tuple[int, ...]  # the part of the global tensor `dest` holds
-    box_shape: tuple[int, ...]
-
-
 class _Planner:
     def __init__(self, manifest: Manifest, codecs: tuple[Codec, ...], strict: bool, world_size: int) -> None:
         self.manifest = manifest
@@ -82,7 +66,7 @@ class _Planner:
         self.strict = strict
         self.world_size = world_size
         self.problems: list[str] = []
-        self.reads: list[_Read] = []
+        self.reads: list[ReadBox] = []
         self.loads: list[Callable[[], None]] = []
         self.param_hints: dict[tuple, torch.Tensor] = {}  # optimizer state path -> its parameter
 
@@ -135,7 +119,7 @@ class _Planner:
             if dest is None or tuple(target.shape) != entry.shape or dest.dtype != dtype:
                 self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is numpy {target.dtype}{list(target.shape)}")
                 return target
-            self.reads.append(_Read(entry, dest, *full))
+            self.reads.append(ReadBox(entry, dest, *full))
             return target
         if isinstance(target, torch.Tensor):
             if tuple(target.shape) != entry.shape or target.dtype != dtype:
@@ -159,7 +143,7 @@ class _Planner:
             )
             return None
         fresh = torch.empty(entry.shape, dtype=dtype)
-        self.reads.append(_Read(entry, fresh, *full))
+        self.reads.append(ReadBox(entry, fresh, *full))
         return fresh.numpy() if as_numpy else fresh
 
     def read_into(self, entry: TensorEntry, target: torch.Tensor, path: tuple) -> None:
@@ -170,9 +154,9 @@ class _Planner:
                 self.problem(path, str(exc))
                 return
             if layout.replicas:  # ranks outside the DTensor's mesh hold nothing of it
-                self.reads.append(_Read(entry, local, layout.offsets, tuple(local.shape)))
+                self.reads.append(ReadBox(entry, local, layout.offsets, tuple(local.shape)))
             return
-        self.reads.append(_Read(entry, target.detach(), (0,) * len(entry.shape), entry.shape))
+        self.reads.append(ReadBox(entry, target.detach(), (0,) * len(entry.shape), entry.shape))
 
     def stateful(self, target: Any, node: dict, path: tuple) -> Any:
         if not is_stateful(target):
@@ -259,48 +243,10 @@ def merge_trees(trees: list[Any]) -> Any:
     return {PER_RANK: True}
 
 
-class Sources:
-    """Where this rank reads a step's data files from, in order of preference.
-
-    The local tier holds the files the manifest places on its tier (a missing one there is damage,
-    reported as such) when it holds the step at all (`local` is None when it does not: pruned, or a
-    replaced node); a remote tier, when it holds the step, holds every primary copy. A shard whose
-    local copy fails verification is read again from the remote tier (see read_box).
-    """
-
-    def __init__(self, manifest: Manifest, local: Storage | None, tier: str, remote: Storage | None = None, *, where: str = "") -> None:
-        self.tier_of = {f.path: f.tier for f in manifest.files}
-        self.rank_of = {f.path: f.rank for f in manifest.files}
-        self.local = local
-        self.tier = tier
-        self.remote = remote
-        self.where = where
-        self._lock = threading.Lock()
-        self.remote_bytes = 0  # bytes read from the remote tier (restore's log line)
-        self.fallbacks: list[str] = []  # local copies that failed verification and were read remotely
-
-    def pick(self, shard: ShardEntry) -> tuple[Storage, tuple[ChunkRef, ...]] | None:
-        if self.local is not None:
-            for copy in shard.copies():
-                if not copy or self.tier_of.get(copy[0].file, "") in ("", self.tier):
-                    return self.local, copy
-        if self.remote is not None:
-            return self.remote, shard.chunks
-        return None
-
-    def count_remote(self, nbytes: int) -> None:
-        with self._lock:
-            self.remote_bytes += nbytes
-
-    def fell_back(self, note: str) -> None:
-        with self._lock:
-            self.fallbacks.append(note)
-
-
 @dataclasses.dataclass
 class RestorePlan:
     manifest: Manifest
-    reads: list[_Read]
+    reads: list[ReadBox]
     loads: list[Callable[[], None]]
     values: dict
 
@@ -308,7 +254,7 @@ class RestorePlan:
         """Every shard this rank needs and cannot reach, as 'key (file, written by rank r)'."""
         out = []
         for read in self.reads:
-            for shard in _overlapping(read):
+            for shard in overlapping(read):
                 if sources.pick(shard) is None:
                     f = shard.chunks[0].file
                     out.append(f"{read.entry.key} ({f}, written by rank {sources.rank_of.get(f, '?')})")
@@ -345,99 +291,6 @@ def execute(plan: RestorePlan, state: MutableMapping, sources: Sources) -> None:
             state[key] = value
 
 
-def _read_order(read: _Read) -> tuple:
+def _read_order(read: ReadBox) -> tuple:
     first = next((s.chunks[0] for s in read.entry.shards if s.chunks), None)
     return (first.file, first.offset) if first else ("", 0)
-
-
-def _overlapping(read: _Read) -> list[ShardEntry]:
-    return [s for s in read.entry.shards if s.chunks and intersect(read.box_offsets, read.box_shape, s.offsets, s.shape)]
-
-
-def read_box(sources: Sources, step: int, read: _Read) -> None:
-    """Fill `read.dest` (its box of the global tensor) from every overlapping saved shard."""
-    entry = read.entry
-    if math.prod(read.box_shape) == 0:
-        return
-    for shard in _overlapping(read):
-        found = sources.pick(shard)
-        if found is None:
-            raise CheckpointError(
-                f"step {step}, tensor {entry.key!r}: the shard at {list(shard.offsets)} is in {shard.chunks[0].file}, which "
-                f"this rank cannot reach{sources.where}"
-            )
-        storage, chunks = found
-        try:
-            _read_shard(storage, step, entry, shard, chunks, read, sources)
-        except CheckpointCorruptError as exc:
-            if storage is sources.remote or sources.remote is None:
-                raise
-            # the local copy is damaged or gone: the remote tier holds the step, read it from there
-            log.warning("checkpointing: %s; reading this shard from the remote tier %s instead", exc, sources.remote.url)
-            sources.fell_back(str(exc))
-            _read_shard(sources.remote, step, entry, shard, shard.chunks, read, sources)
-
-
-def _read_shard(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], read: _Read, sources: Sources) -> None:
-    dest = read.dest
-    if storage is sources.remote:
-        sources.count_remote(sum(c.length for c in chunks))
-    whole = shard.offsets == read.box_offsets and shard.shape == read.box_shape
-    if whole and dest.device.type == "cpu" and dest.is_contiguous():
-        _read_chunks(storage, step, entry, chunks, tensor_view(dest), 0)  # straight into the target
-        return
-    box = intersect(read.box_offsets, read.box_shape, shard.offsets, shard.shape)
-    assert box is not None
-    _copy_box(storage, step, entry, shard, chunks, box, read)
-
-
-def _copy_box(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], box: tuple, read: _Read) -> None:
-    """Read the whole chunks that hold `box`'s rows of `shard`, verify them, copy the box into dest."""
-    dtype = dtype_from_name(entry.dtype)
-    size = torch.empty((), dtype=dtype).element_size()
-    offsets, shape = box
-    r0, r1 = row_span(offsets, shape, shard.offsets, shard.shape)
-    row_bytes = math.prod(shard.shape[1:]) * size if shard.shape else size
-    lo, hi = r0 * row_bytes, r1 * row_bytes
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c.length)
-    first = max(i for i in range(len(chunks)) if starts[i] <= lo)
-    last = min(i for i in range(1, len(chunks) + 1) if starts[i] >= hi)
-    buf = torch.empty(starts[last] - starts[first], dtype=torch.uint8)
-    _read_chunks(storage, step, entry, chunks[first:last], tensor_view(buf), 0)
-    rows = buf[lo - starts[first] : hi - starts[first]]
-    if (lo - starts[first]) % size:
-        rows = rows.clone()  # a chunk boundary that is not element-aligned
-    if not shard.shape:
-        read.dest.copy_(rows.view(dtype).reshape(()))
-        return
-    rows = rows.view(dtype).reshape((r1 - r0,) + tuple(shard.shape[1:]))
-    src = rows[(slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(offsets[1:], shard.offsets[1:], shape[1:]))]
-    read.dest[tuple(slice(o - b, o - b + n) for o, b, n in zip(offsets, read.box_offsets, shape))].copy_(src)
-
-
-def _read_chunks(storage: Storage, step: int, entry: TensorEntry, chunks: tuple[ChunkRef, ...], view: memoryview, pos: int) -> None:
-    """Read `chunks` (coalescing neighbours in one file) into view[pos:], verifying each digest."""
-    i = 0
-    while i < len(chunks):
-        j = i + 1
-        while j < len(chunks) and chunks[j].file == chunks[i].file and chunks[j].offset == chunks[j - 1].offset + chunks[j - 1].length:
-            j += 1
-        length = sum(c.length for c in chunks[i:j])
-        where = f"step {step}, tensor {entry.key!r}, file {storage.url}/{chunks[i].file}"
-        try:
-            storage.read_into(chunks[i].file, chunks[i].offset, view[pos : pos + length])
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where}: the data file is missing") from None
-        except EOFError as exc:
-            raise CheckpointCorruptError(f"{where}: truncated ({exc})") from None
-        for c in chunks[i:j]:
-            got = chunk_digest(view[pos : pos + c.length])
-            if got != c.digest:
-                raise CheckpointCorruptError(
-                    f"{where}: bytes {c.offset}..{c.offset + c.length} are damaged ({got} != {c.digest}); "
-                    "restore another step with restore(step=...), or run `checkpointing verify`"
-                )
-            pos += c.length
-        i = j
