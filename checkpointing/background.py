@@ -16,10 +16,11 @@ import threading
 import time
 from typing import Any
 
-from . import catalog, layout
+from . import catalog
 from .coordinator import LocalCoordinator, StoreCoordinator
 from .errors import CheckpointUploadError
-from .metrics import SaveStats, append_jsonl, log_save, stats_of
+from .accounting import SaveAccounting
+from .metrics import SaveStats, log_save, stats_of
 from .staging import StagingPool
 from .storage import LocalStorage
 from .tiering import Uploader, UploadJob
@@ -44,6 +45,7 @@ class BackgroundSaves:
     _retention_lock: threading.Lock
     _lock: threading.Lock
     _stats: list[SaveStats]
+    _acct: SaveAccounting
 
     def _remote_url(self) -> str:
         raise NotImplementedError
@@ -129,13 +131,13 @@ class BackgroundSaves:
                 self._retain_local(newest[-1])
 
     def _record(self, job: SaveJob, upload: UploadJob | None = None) -> None:
+        """The save's SaveStats into stats() and the log; its record goes to metrics.jsonl and
+        on_metrics once its step cost is final (accounting.py), which may be right now."""
         with job.lock:  # the guard may still be adding its wait
             stats = stats_of(job, upload, staging_bytes=self._pool.capacity, rank=self.rank, world_size=self.world_size)
+        stats = self._acct.durable(job, stats)
         with self._lock:
             self._stats.append(stats)
             job.stats = stats
-        try:
-            append_jsonl(self.directory / layout.METRICS_NAME, stats)
-        except OSError as exc:
-            log.warning("checkpointing: could not append metrics to %s: %s", self.directory, exc)
         log_save(stats, str(self.directory) if upload is None else f"{self.directory} and {self._remote_url()}")
+        self._acct.settle(job.step, stats.ok)

@@ -24,25 +24,30 @@ import atexit
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import catalog, layout
+from .accounting import SaveAccounting
 from .assign import UNIQUE, LeafInfo, assign_regions
 from .codecs import Codec
 from .coordinator import LocalCoordinator, StoreCoordinator, new_namespace
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .background import BackgroundSaves
 from .metrics import SaveStats
-from .options import ManagerOptions, SnapshotMode
+from .options import ManagerOptions, PreemptionOptions, SnapshotMode
 from .plan import PackPlan, plan_pack
+from .preemption import Preemption
 from .choose import choose_step
 from .restore import execute
+from .schedule import SaveSchedule
+from .steptime import RunSummary
 from .retention import tier_states
 from .staging import StagingPool
 from .storage import FsspecStorage, LocalStorage, open_storage
@@ -124,6 +129,9 @@ class CheckpointManager(BackgroundSaves):
         upload_concurrency: int = 8,
         upload_part_bytes: int = 64 << 20,
         upload_bytes_per_s: float | None = None,
+        interval: int | Literal["auto"] | None = None,
+        mtbf_s: float | None = None,
+        on_metrics: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir):
             raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a directory path")
@@ -132,7 +140,7 @@ class CheckpointManager(BackgroundSaves):
             chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync,
             incremental=incremental, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
             timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes,
-            upload_bytes_per_s=upload_bytes_per_s,
+            upload_bytes_per_s=upload_bytes_per_s, interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics,
         )
         group = _resolve_group(process_group)
         self.remote_storage: FsspecStorage | None = None
@@ -171,6 +179,11 @@ class CheckpointManager(BackgroundSaves):
             self._uploader, resumed = start_uploader(self.storage, self.remote_storage, self._coord,
                                                      keep_remote=self.options.keep_remote, on_finish=self._upload_finished)
             self._uploads.extend(resumed)
+        schedule = None if interval is None else SaveSchedule(interval, mtbf_s, follow=self.world_size == 1)
+        self._acct = SaveAccounting(self.directory / layout.METRICS_NAME, on_metrics=on_metrics, schedule=schedule,
+                                    replace=self._replace_stats)
+        self._preemption: Preemption | None = None
+        self._marks_steps = False  # should_save()/step() are called: safe points for an emergency save
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._io_loop, name="ckpt-io", daemon=True)
         self._thread.start()
@@ -225,11 +238,16 @@ class CheckpointManager(BackgroundSaves):
             upload = self._upload_of[job] = UploadJob(step, save=job)
             self._uploads.append(upload)
         self._current = job
+        self._acct.issued(step, t0)
         self._queue.put(job)
         job.eager_staged.wait()
         if job.eager_event is not None:
             torch.cuda.current_stream().wait_event(job.eager_event)
-        job.call_s = time.perf_counter() - t0 - wait_prev_s
+        t_end = time.perf_counter()
+        job.call_s = t_end - t0 - wait_prev_s
+        self._acct.returned(step, t_end)
+        if self._preemption is not None:
+            self._preemption.check(step)
         return SaveHandle(self, job, upload)
 
     def _fail_without_saving(self, step: int, seq: int, exc: BaseException, t0: float, wall: float, wait_prev_s: float) -> None:
@@ -320,8 +338,78 @@ class CheckpointManager(BackgroundSaves):
         return steps[-1] if steps else None
 
     def stats(self) -> list[SaveStats]:
+        """Each finished save's SaveStats, oldest first; the step fields (step_stall_s, slowdown_s,
+        cost_s, overhead_pct, step_time_s) are filled in once the save's cost is final."""
         with self._lock:
             return list(self._stats)
+
+    def step(self, step: int) -> "StepScope":
+        """Mark the beginning of training step `step` (which ends the step begun before it).
+
+        Not needed in loops with an optimizer: each optimizer.step() marks a step already. Call it
+        at the top of every iteration, or wrap the iteration in ``with mgr.step(step):`` (which also
+        marks its end). From the first call on, steps are marked only this way.
+        """
+        self._check_step(step)
+        self._marks_steps = True
+        self._acct.begin(step)
+        if self._preemption is not None:
+            self._preemption.check(self._acct.last_step)
+        return StepScope(self, step)
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save `step` now, by the manager's `interval` (every N steps, or "auto").
+
+        Call it where you would save, after training step `step`: ``if mgr.should_save(step):
+        mgr.save(step, state)``. With interval="auto" the first call of a run answers True, and
+        later ones follow Daly's interval from the measured cost of saves (checkpointing/schedule.py).
+        """
+        self._check_step(step)
+        schedule = self._acct.schedule
+        if schedule is None:
+            raise CheckpointConfigError("should_save() needs a schedule: create the manager with interval=N (every N steps) "
+                                        "or interval='auto' with mtbf_s=...")
+        self._acct.last_step = step
+        self._marks_steps = True
+        if self._preemption is not None:
+            self._preemption.check(step)
+        return schedule.due(step)
+
+    def handle_preemption(self, state: Mapping[str, Any], *, grace_s: float = 30.0,
+                          signals: tuple[int, ...] | list[int] = (signal.SIGTERM,)) -> None:
+        """On one of `signals`, save `state` at the next step boundary, commit it locally, and exit.
+
+        Call it once, from the main thread, on every rank, with the state you pass to save().
+        After the signal, the next ``mgr.should_save(step)``, ``mgr.save(step, ...)`` or
+        ``mgr.step(step)`` (a point where `state` is that after a finished step) saves it as that
+        step (a save of that step in flight is finished instead), waits until it is committed on
+        the local tier (the remote upload may not finish; the next start resumes it), and exits
+        with status 128 + signum, within `grace_s` seconds of the signal (after which the process
+        exits anyway, leaving nothing half-visible). Several ranks agree on the step through the
+        job's store. Details: checkpointing/preemption.py and docs/observability.md.
+        """
+        self._check_open()
+        options = PreemptionOptions(grace_s=grace_s, signals=tuple(signals) if isinstance(signals, (tuple, list)) else signals)
+        if not isinstance(state, Mapping):
+            raise CheckpointConfigError(f"handle_preemption(state=...) needs the dict you pass to save(), got a {type(state).__name__}")
+        if self._preemption is not None:
+            self._preemption.stop()
+        self._preemption = Preemption(self, state, options)
+        self._preemption.install()
+
+    @property
+    def interval_steps(self) -> int | None:
+        """The interval should_save() follows, in steps (None without one, or before "auto" measured a save)."""
+        schedule = self._acct.schedule
+        if schedule is None:
+            return None
+        return schedule.interval if schedule.interval != "auto" else schedule.every_steps
+
+    def summary(self) -> RunSummary:
+        """The run so far: steps, training wall time, what the saves cost in all and as a share of
+        training time, the median step time, and seconds from this manager's creation to the first
+        durable save (time_to_first_durable_s)."""
+        return self._acct.summary()
 
     @property
     def staging_bytes(self) -> int:
@@ -332,10 +420,15 @@ class CheckpointManager(BackgroundSaves):
         """Wait for in-flight saves, stop the I/O thread, free the staging pool."""
         if self._closed:
             return
+        preemption = self._preemption
         try:
-            self.wait()
+            if preemption is not None:
+                preemption.at_close(self._acct.last_step)
+            self.wait(preemption.remaining() if preemption is not None and preemption.requested else None)
         finally:
             self._closed = True
+            if preemption is not None:
+                preemption.stop()
             self._hook.remove()
             self._queue.put(None)
             self._thread.join()
@@ -344,6 +437,7 @@ class CheckpointManager(BackgroundSaves):
             if self.remote_storage is not None:
                 self.remote_storage.close()
             self._pool.release()
+            self._acct.close()
             self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
 
     def __enter__(self) -> "CheckpointManager":
@@ -367,6 +461,20 @@ class CheckpointManager(BackgroundSaves):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
+
+    def _check_step(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= layout.MAX_STEP:
+            raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{layout.MAX_STEP}")
+
+    def _replace_stats(self, job: SaveJob, old: SaveStats, new: SaveStats) -> None:
+        """A save's record gained its step fields (SaveAccounting)."""
+        with self._lock:
+            for i in range(len(self._stats) - 1, -1, -1):
+                if self._stats[i] is old:
+                    self._stats[i] = new
+                    break
+            if job.stats is old:
+                job.stats = new
 
     def _raise_upload_error(self, upload: UploadJob) -> None:
         if upload.error is not None and not upload.error_reported:
@@ -420,13 +528,18 @@ class CheckpointManager(BackgroundSaves):
         job = self._current
         if job is not None and not job.done.is_set():
             self._guard(job)
+        self._acct.optimizer_step(optimizer)
+        if self._preemption is not None and not self._marks_steps:
+            self._preemption.at_optimizer_step()
 
     def _guard(self, job: SaveJob) -> None:
         with job.lock:
             if not job.staged.is_set():
                 t0 = time.perf_counter()
                 job.staged.wait()
-                job.guard_wait_s += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                job.guard_wait_s += waited
+                self._acct.stall(job.step, waited)
             if job.staged_event is not None:
                 torch.cuda.current_stream().wait_event(job.staged_event)
 
@@ -434,6 +547,22 @@ class CheckpointManager(BackgroundSaves):
         for step in catalog.list_steps(self.storage).incomplete:
             log.info("checkpointing: removing incomplete step %d (a save that did not commit) from %s", step, self.directory)
             catalog.delete_step(self.storage, step)
+
+
+class StepScope:
+    """What mgr.step(step) returns: ``with mgr.step(step):`` also marks the step's end."""
+
+    def __init__(self, manager: CheckpointManager, step: int) -> None:
+        self._manager, self.step = manager, step
+
+    def __enter__(self) -> "StepScope":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self._manager._acct.end(self.step)
+            if self._manager._preemption is not None:
+                self._manager._preemption.check(self.step)
 
 
 _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()

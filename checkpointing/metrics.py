@@ -1,4 +1,10 @@
-"""Per-save phase timings: a frozen record, JSON lines beside the checkpoints, one log line."""
+"""Per-save records: a frozen SaveStats, JSON lines beside the checkpoints, one log line, and the
+sink that writes them and hands them to the user's callback (orchestration).
+
+A save's record is complete once its step-time cost is final (steptime.py: after the steps that
+ran during its background work). Until then `mgr.stats()` and `handle.wait()` show it without the
+step fields; `metrics.jsonl` and `on_metrics` get it once, complete (see SaveAccounting).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,10 @@ import dataclasses
 import json
 import logging
 import os
+import queue
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("checkpointing")
 
@@ -29,6 +37,15 @@ class SaveStats:
         bytes this rank uploaded, and their rate over this rank's own transfer time.
     ok: durable on every configured tier; a step whose upload failed has ok=False, tier="local"
         and the upload error in `error` (it is committed locally).
+
+    Step accounting (None until the save's cost is final, and without marked steps; see
+    checkpointing/steptime.py for the definitions):
+    step_stall_s: the training thread was blocked by this save inside its step (wait_prev_s +
+        stall_s). slowdown_s: extra time of the steps that ran while its background work did,
+        against step_time_s (the median step time with no save in flight). cost_s: step_stall_s +
+        slowdown_s. overhead_pct: cost_s as a percentage of the training time since the previous save.
+    time_to_first_durable_s: on the run's first successful save only: seconds from the manager's
+        creation to this save being durable on every configured tier.
     """
 
     step: int
@@ -53,6 +70,12 @@ class SaveStats:
     upload_s: float | None = None
     bytes_uploaded: int | None = None
     upload_bytes_per_s: float | None = None
+    step_stall_s: float | None = None
+    slowdown_s: float | None = None
+    cost_s: float | None = None
+    overhead_pct: float | None = None
+    step_time_s: float | None = None
+    time_to_first_durable_s: float | None = None
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -93,8 +116,10 @@ def stats_of(job: Any, upload: Any, *, staging_bytes: int, rank: int, world_size
     )
 
 
-def append_jsonl(path: os.PathLike | str, stats: SaveStats) -> None:
-    line = json.dumps(stats.as_dict(), sort_keys=True) + "\n"
+def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> None:
+    """Append one record as a JSON line (one write: lines of ranks sharing the file do not interleave)."""
+    record = stats.as_dict() if isinstance(stats, SaveStats) else stats
+    line = json.dumps(record, sort_keys=True) + "\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
 
@@ -131,3 +156,64 @@ def log_save(stats: SaveStats, where: str) -> None:
             "checkpointing: step %d durable on the remote tier %.3f s after its local commit (%.1f MB from this rank at %.1f MB/s)",
             stats.step, stats.upload_s, (stats.bytes_uploaded or 0) / 1e6, (stats.upload_bytes_per_s or 0) / 1e6,
         )
+
+
+class MetricsSink:
+    """Where finished records go: `metrics.jsonl`, then the user's `on_metrics` callback.
+
+    `emit(record, now=True)` appends the line on the calling (background) thread; `now=False`
+    (from the training thread) leaves the append to the sink's own thread. The callback always
+    runs on the sink's thread ("ckpt-metrics", started at the first record that needs it), in the
+    order records were emitted, so a slow callback (a network logger) delays neither training nor
+    saving. An exception in the callback is logged (the first with its traceback) and never
+    reaches a save. `close()` delivers what is queued, then stops the thread.
+    """
+
+    def __init__(self, path: os.PathLike | str, callback: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.path = path
+        self.callback = callback
+        self.callback_errors = 0
+        self._queue: queue.Queue[tuple[dict[str, Any], bool] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def emit(self, record: dict[str, Any], *, now: bool) -> None:
+        if now:
+            self._append(record)
+        if self.callback is not None or not now:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="ckpt-metrics", daemon=True)
+                    self._thread.start()
+            self._queue.put((record, not now))
+
+    def close(self) -> None:
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        if self.callback_errors > 1:
+            log.warning("checkpointing: the on_metrics callback raised %d times in all", self.callback_errors)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            record, write = item
+            if write:
+                self._append(record)
+            if self.callback is not None:
+                try:
+                    self.callback(dict(record))
+                except Exception:  # noqa: BLE001 - the user's code: log it, keep saving
+                    self.callback_errors += 1
+                    if self.callback_errors == 1:
+                        log.warning("checkpointing: the on_metrics callback raised (logged once; saving goes on)", exc_info=True)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        try:
+            append_jsonl(self.path, record)
+        except OSError as exc:
+            log.warning("checkpointing: could not append metrics to %s: %s", self.path, exc)

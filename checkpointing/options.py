@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping
+import math
+import signal
+from typing import Any, Callable, Literal, Mapping
 
 from .codecs import Codec
 from .errors import CheckpointConfigError
@@ -39,6 +41,12 @@ class ManagerOptions:
     fsync: make every write durable before the commit marker (turn off only for tests).
     timeout_s: longest wait for another rank (its report, rank 0's verdict, a restore agreement)
         before the save or restore fails with an error naming the ranks that did not answer.
+    interval: what `mgr.should_save(step)` answers: None (no schedule: should_save raises), a
+        whole number N (every N steps: step % N == 0), or "auto" (Daly's optimum interval from the
+        measured cost of saves and `mtbf_s`; see checkpointing/schedule.py).
+    mtbf_s: the job's mean time between failures in seconds (with interval="auto" only).
+    on_metrics: called with each save's record (a dict, the fields of SaveStats) once it is
+        complete, on a background thread; its exceptions are logged and never stop saving.
     """
 
     keep_local: int | None = 2
@@ -57,6 +65,9 @@ class ManagerOptions:
     upload_concurrency: int = 8
     upload_part_bytes: int = 64 << 20
     upload_bytes_per_s: float | None = None
+    interval: int | Literal["auto"] | None = None
+    mtbf_s: float | None = None
+    on_metrics: Callable[[dict[str, Any]], Any] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("keep_local", "keep_remote"):
@@ -87,9 +98,31 @@ class ManagerOptions:
         self._check_remote()
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise CheckpointConfigError(f"timeout_s={self.timeout_s!r} is invalid: pass a number of seconds > 0")
+        self._check_observability()
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
+
+    def _check_observability(self) -> None:
+        iv = self.interval
+        if iv is not None and iv != "auto" and (isinstance(iv, bool) or not isinstance(iv, int) or iv < 1):
+            raise CheckpointConfigError(
+                f"interval={iv!r} is invalid: pass a whole number of steps >= 1, 'auto' (Daly's interval from the "
+                "measured save cost and mtbf_s), or None"
+            )
+        m = self.mtbf_s
+        if iv == "auto":
+            if m is None or isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
+                raise CheckpointConfigError(
+                    f"interval='auto' needs mtbf_s, the job's mean time between failures in seconds (> 0); got mtbf_s={m!r}. "
+                    "Estimate it from your cluster's failure log (24 h = 86400; N nodes failing independently: node MTBF / N)"
+                )
+        elif m is not None:
+            raise CheckpointConfigError(f"mtbf_s={m!r} has no effect without interval='auto': pass interval='auto' or leave mtbf_s=None")
+        if self.on_metrics is not None and not callable(self.on_metrics):
+            raise CheckpointConfigError(
+                f"on_metrics={type(self.on_metrics).__name__} is not callable: pass a function taking one dict (a save's record)"
+            )
 
     def _check_remote(self) -> None:
         from .storage.retry import redact_url
@@ -122,3 +155,40 @@ class ManagerOptions:
         rate = self.upload_bytes_per_s
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
             raise CheckpointConfigError(f"upload_bytes_per_s={rate!r} is invalid: pass bytes per second > 0, or None for no limit")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionOptions:
+    """What `mgr.handle_preemption(state, ...)` accepts besides the state.
+
+    grace_s: seconds from the signal until the process must be gone (the scheduler's grace
+        period, less a margin: Kubernetes' terminationGracePeriodSeconds defaults to 30, SLURM's
+        KillWait to 30). Within it the manager takes the emergency save, waits for its local
+        commit and exits; when it runs out first, the process exits anyway (nothing is corrupted:
+        a step without its commit marker is invisible).
+    signals: the signals that mean "you are about to be stopped" (SIGTERM by default; SIGUSR1 is
+        common with SLURM's --signal). SIGKILL and SIGSTOP cannot be handled.
+    """
+
+    grace_s: float = 30.0
+    signals: tuple[int, ...] = (signal.SIGTERM,)
+
+    def __post_init__(self) -> None:
+        g = self.grace_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+            raise CheckpointConfigError(
+                f"grace_s={g!r} is invalid: pass the seconds between the signal and the hard kill (> 0), less a margin"
+            )
+        sigs = (self.signals,) if isinstance(self.signals, int) else self.signals
+        if not isinstance(sigs, (tuple, list)) or not sigs:
+            raise CheckpointConfigError(f"signals={self.signals!r} is invalid: pass a tuple of signals, e.g. (signal.SIGTERM,)")
+        out = []
+        for sig in sigs:
+            try:
+                num = signal.Signals(sig)
+            except (ValueError, TypeError):
+                raise CheckpointConfigError(f"signals: {sig!r} is not a signal of this platform; use signal.SIGTERM, signal.SIGUSR1, ...") from None
+            if num in (signal.SIGKILL, signal.SIGSTOP):
+                raise CheckpointConfigError(f"signals: {num.name} cannot be caught by any process; handle SIGTERM (or SIGUSR1) instead")
+            out.append(num)
+        object.__setattr__(self, "signals", tuple(dict.fromkeys(out)))

@@ -1,10 +1,11 @@
 """`checkpointing report DIR`: what saves cost, from the metrics records beside the checkpoints.
 
 Input is a list of metrics records: dicts as ``SaveStats.as_dict()`` writes them to
-``DIR/metrics.jsonl`` (:func:`load_records`). Optional fields that newer writers add
-(``upload_s``, ``upload_bytes_per_s``, ``tier``, ``step_stall_s``, ``slowdown_s``, ``overhead_pct``,
-``step_time_s``; see :mod:`checkpointing.steptime`) get a column only when some record has them;
-unknown fields are ignored and missing or non-numeric ones read as absent.
+``DIR/metrics.jsonl`` (:func:`load_records`), one per save, written once the save's step cost is
+final. Optional fields that newer writers add (``upload_s``, ``upload_bytes_per_s``, ``tier``,
+``step_stall_s``, ``slowdown_s``, ``cost_s``, ``overhead_pct``, ``step_time_s``,
+``time_to_first_durable_s``; see :mod:`checkpointing.steptime`) get a column only when some record
+has them; unknown fields are ignored and missing or non-numeric ones read as absent.
 
 Outputs: a rich table of saves (:func:`saves_table`), a summary with percentiles and, given an
 MTBF, the Young/Daly interval (:func:`summarize`, :func:`summary_table`), a JSON document
@@ -39,7 +40,8 @@ JSON_SCHEMA = "checkpointing.report/1"
 # every save row of to_json() has exactly these keys (null when the record lacks the field)
 SAVE_KEYS = ("step", "rank", "world_size", "ok", "error", "time", "tier", "wait_prev_s", "stall_s", "guard_wait_s", "snapshot_s",
              "write_s", "commit_s", "upload_s", "total_s", "bytes_total", "bytes_written", "bytes_reused",
-             "write_bytes_per_s", "upload_bytes_per_s", "step_stall_s", "slowdown_s", "overhead_pct", "step_time_s")
+             "write_bytes_per_s", "upload_bytes_per_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s",
+             "time_to_first_durable_s")
 _COLORS = {"wait_prev_s": "#9e9e9e", "stall_s": "#d62728", "slowdown_s": "#ff9896", "snapshot_s": "#1f77b4",
            "write_s": "#2ca02c", "commit_s": "#9467bd", "upload_s": "#ff7f0e"}
 
@@ -131,7 +133,8 @@ class Summary:
     stall_s, total_s: from SaveStats. step_stall_s, slowdown_s, overhead_pct: from step accounting,
     when recorded. cost_s: per save stall_s + slowdown_s (the C of checkpointing.advice).
     write/upload_bytes_per_s: mean of the per-save throughputs > 0. bytes_written, bytes_reused:
-    sums. step_time_s: median recorded step time. advice: present when an MTBF was given.
+    sums. step_time_s: median recorded step time. time_to_first_durable_s: of the newest run that
+    recorded one (manager created -> first save durable). advice: present when an MTBF was given.
     """
 
     saves: int
@@ -148,6 +151,7 @@ class Summary:
     bytes_written: int
     bytes_reused: int
     step_time_s: float | None
+    time_to_first_durable_s: float | None
     advice: advice.IntervalAdvice | None
 
     def as_dict(self) -> dict[str, Any]:
@@ -171,6 +175,7 @@ def summarize(records: Sequence[dict[str, Any]], mtbf_s: float | None = None, re
     costs = [c for c in (_save_cost(r) for r in good) if c is not None]
     step_times = col("step_time_s")
     step_time = statistics.median(step_times) if step_times else None
+    ttfd = [v for v in (_num(r, "time_to_first_durable_s") for r in records) if v is not None]
     rec_advice = None
     if mtbf_s is not None:
         if not costs:
@@ -183,7 +188,7 @@ def summarize(records: Sequence[dict[str, Any]], mtbf_s: float | None = None, re
         overhead_pct=Spread.of(col("overhead_pct")),
         write_bytes_per_s=mean_pos("write_bytes_per_s"), upload_bytes_per_s=mean_pos("upload_bytes_per_s"),
         bytes_written=int(sum(col("bytes_written"))), bytes_reused=int(sum(col("bytes_reused"))),
-        step_time_s=step_time, advice=rec_advice,
+        step_time_s=step_time, time_to_first_durable_s=ttfd[-1] if ttfd else None, advice=rec_advice,
     )
 
 
@@ -263,7 +268,8 @@ def summary_table(summary: Summary) -> Table:
             table.add_row(label, *(fmt(getattr(spread, k)) for k in ("p50", "p90", "p99", "max", "mean")))
     extra = [("mean write MB/s", fmt_rate(summary.write_bytes_per_s)), ("mean upload MB/s", fmt_rate(summary.upload_bytes_per_s)),
              ("bytes written", fmt_bytes(summary.bytes_written)), ("bytes reused", fmt_bytes(summary.bytes_reused)),
-             ("median step time", fmt_s(summary.step_time_s))]
+             ("median step time", fmt_s(summary.step_time_s)),
+             ("time to first durable save", fmt_s(summary.time_to_first_durable_s))]
     a = summary.advice
     if a is not None:
         extra += [("checkpoint cost C (median)", fmt_s(a.cost_s)), ("MTBF", f"{a.mtbf_s / 3600:.2f} h"),

@@ -92,7 +92,7 @@ class SaveCost:
 
     def as_metrics(self) -> dict[str, object]:
         """The fields a metrics record carries (the names ``checkpointing report`` reads)."""
-        return {"step_stall_s": self.step_stall_s, "slowdown_s": self.slowdown_s,
+        return {"step_stall_s": self.step_stall_s, "slowdown_s": self.slowdown_s, "cost_s": self.cost_s,
                 "overhead_pct": self.overhead_pct, "step_time_s": self.step_time_s}
 
 
@@ -325,6 +325,23 @@ class StepClock:
             self._final_saves += 1
             self._total_stall += s.stall
             self._total_slowdown += slow
+
+    def discard_open(self) -> None:
+        """Forget the open step without recording it (the run ends inside it: at ``close()`` the
+        time since the last boundary is teardown, not training) and finalize every durable save."""
+        with self._lock:
+            self._open = None
+            self._open_stall = 0.0
+            self._finalize()
+
+    def has_results(self) -> bool:
+        """Whether ``pop_results`` has something (a cheap check without the lock, for hot paths)."""
+        return self._unpopped > 0
+
+    @property
+    def steps(self) -> int:
+        """Steps ended so far."""
+        return self._steps
 
     def pop_results(self) -> list[SaveCost]:
         """Save costs that became final since the last call, oldest first."""

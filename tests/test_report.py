@@ -141,7 +141,7 @@ def test_json_has_stable_documented_keys(records):
     assert [row["ok"] for row in doc["saves"]] == [True, True, False, True, True]
     assert set(doc["summary"]) == {"saves", "ok", "failed", "stall_s", "total_s", "cost_s", "step_stall_s", "slowdown_s",
                                    "overhead_pct", "write_bytes_per_s", "upload_bytes_per_s", "bytes_written",
-                                   "bytes_reused", "step_time_s"}
+                                   "bytes_reused", "step_time_s", "time_to_first_durable_s"}
     assert set(doc["summary"]["stall_s"]) == {"p50", "p90", "p99", "max", "mean"}
     assert doc["advice"]["young_s"] == pytest.approx(advice.young_interval(0.25, 3600.0))
     assert json.loads(json.dumps(doc)) == doc

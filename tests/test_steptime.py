@@ -65,7 +65,7 @@ def test_the_example_from_the_issue():
     assert s.overhead_pct == pytest.approx(0.8 / 9.8 * 100)
     assert s.time_to_first_durable_s == pytest.approx(8.8)
     assert s.step_time_s == pytest.approx(1.0) and s.baseline == "clean"
-    assert cost.as_metrics() == {"step_stall_s": cost.step_stall_s, "slowdown_s": cost.slowdown_s,
+    assert cost.as_metrics() == {"step_stall_s": cost.step_stall_s, "slowdown_s": cost.slowdown_s, "cost_s": cost.cost_s,
                                  "overhead_pct": cost.overhead_pct, "step_time_s": cost.step_time_s}
 
 
@@ -264,3 +264,19 @@ def test_steady_steps_mean_the_cost_is_exactly_the_stall(data):
     summary = clock.summary()
     assert summary.pending == 0
     assert summary.cost_s == pytest.approx(sum(stalls.values()))
+
+
+def test_discard_open_finalizes_without_counting_the_teardown():
+    # the run ends inside an open step (close() after the last optimizer.step): that time is not a step
+    clock = StepClock()
+    tl = Timeline(clock)
+    tl.steps(1.0, 1.0)
+    tl.step_with_save(1.0, 0.1)
+    clock.begin_step(tl.step, tl.t)
+    clock.save_durable(2, tl.t + 0.5)  # durable inside the open step: not final yet
+    assert not clock.has_results() and clock.pop_results() == []
+    clock.discard_open()
+    assert clock.has_results()
+    [cost] = clock.pop_results()
+    assert cost.steps_overlapped == 0 and cost.cost_s == pytest.approx(0.1)
+    assert clock.steps == 3 and clock.summary().steps == 3 and not clock.has_results()

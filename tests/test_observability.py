@@ -1,0 +1,355 @@
+"""Observability and preemption on real training loops: step accounting consistent across stats(),
+metrics.jsonl, the callback and `checkpointing report`; interval="auto"; SIGTERM delivered to a
+real training process at random moments and mid-save."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from _models import CrashNet, child_env, crash_const, crash_expected
+from checkpointing import CheckpointConfigError, CheckpointManager, advice
+from checkpointing.cli import main
+from checkpointing.schedule import SaveSchedule
+
+
+def mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(64, 256)).pow(2).mean().backward()
+    opt.step()  # the manager's optimizer pre-hook marks the step boundary
+    opt.zero_grad()
+
+
+def test_step_accounting_is_the_same_in_stats_metrics_callback_and_report(tmp_path, one_torch_thread, capsys):
+    model, opt = mlp()
+    state = {"model": model, "optim": opt, "step": 0}
+    records = []
+    ck = tmp_path / "ck"
+    with CheckpointManager(ck, keep_local=2, on_metrics=records.append) as mgr:
+        for step in range(1, 41):
+            train_step(model, opt)
+            state["step"] = step
+            if step % 8 == 0:
+                mgr.save(step, state)
+    stats = mgr.stats()  # after close(): every save durable and its cost final
+    summary = mgr.summary()
+    assert [s.step for s in stats] == [8, 16, 24, 32, 40]
+    for s in stats:
+        assert None not in (s.step_stall_s, s.slowdown_s, s.cost_s, s.overhead_pct, s.step_time_s), s
+        # the stall inside the step is what save() and the guard blocked, including waiting for the previous save
+        assert s.step_stall_s == pytest.approx(s.wait_prev_s + s.stall_s, abs=1e-9)
+        assert s.cost_s == pytest.approx(s.step_stall_s + s.slowdown_s)
+        assert s.slowdown_s >= 0 and 0 < s.overhead_pct < 100 and s.step_time_s > 0
+    assert stats[0].time_to_first_durable_s > 0 and all(s.time_to_first_durable_s is None for s in stats[1:])
+    # one complete line per save in metrics.jsonl, and the same dicts, in order, to the callback
+    lines = [json.loads(x) for x in (ck / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [s.as_dict() for s in stats] == records
+    # the run: 40 optimizer steps are 39 ended steps (the last one is still open at close)
+    assert summary.steps == 39 and summary.saves == 5 and summary.pending == 0
+    assert summary.cost_s == pytest.approx(sum(s.cost_s for s in stats))
+    assert summary.overhead_pct == pytest.approx(summary.cost_s / summary.wall_s * 100)
+    assert summary.time_to_first_durable_s == stats[0].time_to_first_durable_s
+    # the report reads the same numbers
+    capsys.readouterr()
+    assert main(["report", str(ck), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for row, s in zip(doc["saves"], stats, strict=True):
+        for key in ("step", "wait_prev_s", "stall_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s"):
+            assert row[key] == pytest.approx(s[key]), key
+    assert doc["summary"]["time_to_first_durable_s"] == pytest.approx(summary.time_to_first_durable_s)
+    assert doc["summary"]["slowdown_s"]["max"] == pytest.approx(max(s.slowdown_s for s in stats))
+    assert main(["report", str(ck)]) == 0
+    text = capsys.readouterr().out
+    assert "step stall" in text and "slowdown" in text and "overhead" in text and "time to first durable save" in text
+
+
+def test_explicit_steps_measure_the_loops_own_step_time(tmp_path):
+    """mgr.step() in a loop without an optimizer, as a call and as a context manager."""
+    work = 0.02
+    with CheckpointManager(tmp_path / "a") as mgr:
+        for step in range(1, 21):
+            mgr.step(step)  # the bare call: step `step` begins, the previous one ends
+            time.sleep(work)
+            if step % 5 == 0:
+                mgr.save(step, {"w": torch.full((1 << 16,), float(step))})
+    stats = mgr.stats()
+    assert mgr.summary().steps == 19
+    for s in stats:
+        assert s.step_time_s == pytest.approx(work, rel=0.5)  # sleep-bound steps: the median is the sleep
+    with CheckpointManager(tmp_path / "b") as mgr:
+        for step in range(1, 11):
+            with mgr.step(step):
+                time.sleep(work)
+                if step == 5:
+                    mgr.save(step, {"w": torch.zeros(1 << 16)})
+        assert mgr.summary().steps == 10
+    [s] = mgr.stats()
+    assert s.step_time_s == pytest.approx(work, rel=0.5) and s.step_stall_s == pytest.approx(s.wait_prev_s + s.stall_s)
+
+
+def test_only_the_first_optimizer_marks_steps(tmp_path, one_torch_thread):
+    """A loop with two optimizers (a GAN) has one step per iteration, not two."""
+    g, d = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    og, od = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path) as mgr:
+        for _ in range(12):
+            d(g(torch.randn(4, 8))).sum().backward()
+            od.step()
+            og.step()
+        assert mgr.summary().steps == 11
+
+
+def test_without_marked_steps_records_have_no_step_fields(tmp_path):
+    with CheckpointManager(tmp_path) as mgr:
+        s = mgr.save(1, {"w": torch.zeros(10)}).wait()
+        assert s.step_stall_s is None and s.slowdown_s is None and s.time_to_first_durable_s > 0
+        # written before wait() returned, as it always was when no step is open
+        assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
+def test_a_failing_callback_is_logged_and_saving_goes_on(tmp_path, caplog):
+    calls = []
+
+    def broken(record):
+        calls.append(record["step"])
+        raise RuntimeError("dashboard down")
+
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        with CheckpointManager(tmp_path, on_metrics=broken) as mgr:
+            for step in (1, 2, 3):
+                assert mgr.save(step, {"w": torch.zeros(10)}).wait().ok
+    assert calls == [1, 2, 3] and mgr.steps() == [2, 3]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert caplog.text.count("RuntimeError: dashboard down") == 1 and "raised 3 times" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"interval": 0}, "interval"), ({"interval": "sometimes"}, "interval"), ({"interval": True}, "interval"),
+    ({"interval": "auto"}, "mtbf_s"), ({"interval": "auto", "mtbf_s": -1.0}, "mtbf_s"), ({"mtbf_s": 3600.0}, "mtbf_s"),
+    ({"on_metrics": "wandb"}, "on_metrics"),
+])
+def test_bad_options_name_the_option(tmp_path, kwargs, option):
+    with pytest.raises(CheckpointConfigError, match=option):
+        CheckpointManager(tmp_path, **kwargs)
+
+
+def test_should_save_every_n_steps_and_without_a_schedule(tmp_path):
+    with CheckpointManager(tmp_path, interval=3) as mgr:
+        assert [s for s in range(1, 13) if mgr.should_save(s)] == [3, 6, 9, 12]
+        assert mgr.interval_steps == 3
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CheckpointConfigError, match="interval"):
+            mgr.should_save(1)
+        assert mgr.interval_steps is None
+
+
+def test_auto_schedule_by_hand():
+    """SaveSchedule on hand-computed numbers: C = 0.5 s, M = 1800 s: Young sqrt(2 * 0.5 * 1800) = 42.43 s;
+    Daly = 42.43 * (1 + sqrt(0.5/3600)/3 + (0.5/3600)/9) - 0.5 = 42.10 s = 421 steps of 0.1 s."""
+    sched = SaveSchedule("auto", 1800.0)
+    assert sched.due(7)  # no save yet in this run: the first opportunity
+    sched.saved(7)
+    assert not sched.due(8) and not sched.due(10_000)  # not measured yet: wait for the measurement
+    assert sched.observe(0.5, None) is None  # no step time yet
+    assert sched.observe(0.5, 0.1) == 421
+    assert sched.advice.daly_s == pytest.approx(42.1, abs=0.01)
+    assert not sched.due(7 + 420) and sched.due(7 + 421)
+    sched.observe(2.0, 0.1)  # median of (0.5, 0.5, 2.0) is still 0.5: one slow save does not move it
+    assert sched.every_steps == 421
+    follower = SaveSchedule("auto", 1800.0, follow=False)  # a rank that takes rank 0's value
+    follower.saved(0)
+    follower.observe(0.5, 0.1)
+    assert follower.proposed == 421 and follower.every_steps is None and not follower.due(500)
+    follower.adopt(421, from_step=450)
+    assert not follower.due(449) and follower.due(450)
+    assert SaveSchedule(4).due(8) and not SaveSchedule(4).due(9)
+
+
+def test_interval_auto_saves_at_once_then_at_dalys_interval(tmp_path):
+    mtbf = 2.0  # seconds: a tiny MTBF gives an interval of a few 10 ms steps
+    saves, intervals = [], []
+    with CheckpointManager(tmp_path, interval="auto", mtbf_s=mtbf) as mgr:
+        for step in range(1, 121):
+            with mgr.step(step):
+                time.sleep(0.01)
+                if mgr.should_save(step):
+                    intervals.append(mgr.interval_steps)
+                    saves.append(step)
+                    mgr.save(step, {"w": torch.full((1 << 18,), float(step))})
+        stats = mgr.stats()
+        k = mgr.interval_steps
+    assert saves[0] == 1 and intervals[0] is None  # the first opportunity, before any measurement
+    assert intervals[1] is not None  # the second waits for the first's measured cost
+    assert 3 <= len(saves) <= 60, saves
+    for prev, step, every in zip(saves[1:], saves[2:], intervals[2:]):
+        assert step - prev >= 1 and every is not None
+    # the interval in use is Daly's for the median cost of the measured saves (as the report computes it)
+    costs = [s.step_stall_s - s.wait_prev_s + s.slowdown_s for s in stats if s.slowdown_s is not None][-15:]
+    expected = advice.advise(statistics.median(costs), mtbf, step_time_s=stats[-1].step_time_s).every_steps
+    assert abs(k - expected) <= max(1, expected // 5), (k, expected)
+
+
+# ---------------------------------------------------------------------- preemption
+
+GRACE_S = 20.0
+
+PREEMPT_CHILD = textwrap.dedent(r"""
+    import sys
+    import torch
+    torch.set_num_threads(1)
+    from checkpointing import CheckpointManager
+    from _models import CrashNet, crash_const, crash_expected
+
+    ck, mode, grace = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    net = CrashNet()
+    const = torch.zeros(512, 1024)
+    state = {"model": net, "const": const, "meta": {"step": -1, "tag": ""}}
+    mgr = CheckpointManager(ck, keep_local=3, interval=2)
+    mgr.handle_preemption(state, grace_s=grace)
+    start = mgr.restore(state)
+    if start is None:
+        start = 0
+    else:  # the resumed state must be exactly the one of step `start`
+        exp = crash_expected(start)
+        sd = net.state_dict()
+        bad = [k for k in exp if not torch.equal(sd[k], exp[k])]
+        if bad or not torch.equal(const, crash_const()) or state["meta"] != {"step": start, "tag": "crash"}:
+            print(f"RESUME_MISMATCH {start} {bad} {state['meta']}", flush=True)
+            sys.exit(3)
+    const.copy_(crash_const())
+    print(f"READY {start}", flush=True)
+
+    def work(s):
+        mgr.wait_staged()  # the async snapshot of the previous save may still read the parameters
+        vals = crash_expected(s)
+        with torch.no_grad():
+            for k, t in net.state_dict().items():
+                t.copy_(vals[k])
+        state["meta"] = {"step": s, "tag": "crash"}
+
+    s = start + 1
+    while True:
+        if mode == "should_save":
+            work(s)
+            if mgr.should_save(s):  # a safe point: after the signal it saves step s and exits
+                print(f"SAVING {s}", flush=True)
+                mgr.save(s, state, eager=s % 4 == 0)
+        else:
+            with mgr.step(s):  # its end is a safe point
+                work(s)
+                if s % 2 == 0:
+                    print(f"SAVING {s}", flush=True)
+                    mgr.save(s, state)
+        print(f"DONE {s}", flush=True)
+        s += 1
+""")
+
+
+class Child:
+    """A training child process and the lines it printed."""
+
+    def __init__(self, script, ck, mode, tmp_path, i):
+        self.err_path = tmp_path / f"child{i}.err"
+        self.err = open(self.err_path, "w")
+        self.p = subprocess.Popen([sys.executable, str(script), str(ck), mode, str(GRACE_S)], stdout=subprocess.PIPE,
+                                  stderr=self.err, text=True, env=child_env())
+        self.done: list[int] = []
+        self.started: int | None = None
+
+    def read(self, timeout: float, until: str | None = None) -> bool:
+        """Read lines for up to `timeout` s (0: what is there now); True when a line starts with `until`."""
+        end = time.monotonic() + timeout
+        while True:
+            r, _, _ = select.select([self.p.stdout], [], [], max(0.0, end - time.monotonic()))
+            if not r:
+                return False
+            line = self.p.stdout.readline()
+            if not line:
+                return False
+            word, _, arg = line.strip().partition(" ")
+            if word == "RESUME_MISMATCH":
+                raise AssertionError(f"the child resumed a wrong state: {line.strip()}")
+            if word == "READY":
+                self.started = int(arg)
+            elif word == "DONE":
+                self.done.append(int(arg))
+            if until is not None and word == until:
+                return True
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.p.stdout.close()
+        self.err.close()
+
+
+def committed_and_incomplete(ck):
+    dirs = [d for d in ck.iterdir() if d.is_dir() and d.name.startswith("step-")]
+    return (sorted(int(d.name[5:]) for d in dirs if (d / "COMMIT").exists()),
+            sorted(int(d.name[5:]) for d in dirs if not (d / "COMMIT").exists()))
+
+
+def test_sigterm_at_random_moments_saves_the_latest_step_and_exits(tmp_path, capsys):
+    rng = random.Random(20261121)
+    ck = tmp_path / "ck"
+    script = tmp_path / "preempt_child.py"
+    script.write_text(PREEMPT_CHILD)
+    latest = None
+    log = []
+    for i in range(6):
+        mode = ("should_save", "step")[i % 2]
+        mid_save = i % 3 == 1  # right after a save() began: the background write is in flight
+        child = Child(script, ck, mode, tmp_path, i)
+        try:
+            assert child.read(60.0, until="READY"), f"child {i} not ready:\n{child.err_path.read_text()}"
+            assert child.started == (latest or 0), f"child {i} resumed at {child.started}, the latest step was {latest}"
+            child.read(rng.uniform(0.1, 0.8))
+            if mid_save:
+                assert child.read(10.0, until="SAVING")
+            child.read(0.0)
+            assert child.p.poll() is None, child.err_path.read_text()
+            in_flight = committed_and_incomplete(ck)[1]
+            last_done = child.done[-1] if child.done else child.started
+            t0 = time.monotonic()
+            child.p.send_signal(signal.SIGTERM)
+            rc = child.p.wait(GRACE_S + 10)
+            took = time.monotonic() - t0
+            child.read(1.0)
+        finally:
+            child.close()
+        err = child.err_path.read_text()
+        assert rc == 128 + signal.SIGTERM, f"child {i} exited with {rc}:\n{err}"
+        assert took < GRACE_S, f"child {i} took {took:.1f} s to exit"
+        committed, incomplete = committed_and_incomplete(ck)
+        assert not incomplete, f"an in-flight save was left incomplete: {incomplete}"
+        with CheckpointManager(ck, keep_local=3) as mgr:  # the next start restores it, bit for bit
+            net = CrashNet()
+            restored = {"model": net, "const": torch.zeros(512, 1024), "meta": {}}
+            step = mgr.restore(restored)
+        assert step == committed[-1] and step >= last_done, f"restored {step}, the child had finished step {last_done}"
+        assert step <= max(child.done, default=child.started) + 1  # never a step the child had not reached
+        assert restored["meta"] == {"step": step, "tag": "crash"} and torch.equal(restored["const"], crash_const())
+        assert all(torch.equal(net.state_dict()[k], v) for k, v in crash_expected(step).items())
+        assert main(["verify", str(ck)]) == 0, capsys.readouterr().out
+        latest = step
+        log.append((mode, mid_save, bool(in_flight), last_done, step, round(took, 2)))
+    print("deliveries (mode, sent after SAVING, save in flight, last done, restored, exit s):", log)
+    assert sum(1 for entry in log if entry[2]) >= 1, f"no signal landed during a save: {log}"
