@@ -6,6 +6,7 @@ client_kwargs.region_name=us-east-1) or from the environment the cloud SDK reads
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...). They are never printed.
 
 Exit codes: 0 fine, 1 damage found (verify), 2 bad usage, an unreachable tier, or nothing to show.
+On a terminal, verify and gc show a progress bar; piped output is the plain lines only.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import datetime as _dt
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from . import catalog, layout, report
@@ -207,6 +209,38 @@ def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
     return out
 
 
+class _Bar:
+    """A progress bar on a terminal (rich; drawn below the lines printed meanwhile, removed at the end)."""
+
+    def __init__(self, console: Console, what: str, total: int) -> None:
+        self._progress: Progress | None = None
+        if console.is_terminal and total > 0:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), console=console, transient=True)
+            self._task = self._progress.add_task(what, total=total)
+
+    def __enter__(self) -> "_Bar":
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def advance(self, n: int = 1) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+
+def _with_bar(console: Console, what: str, items: list) -> Iterator:
+    """`items`, advancing a progress bar (on a terminal only) after each."""
+    with _Bar(console, what, len(items)) as bar:
+        for item in items:
+            yield item
+            bar.advance()
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _storage(args.dir, args)
     steps = [_resolve_step(storage, args.step)] if args.step is not None else catalog.list_steps(storage).committed
@@ -214,7 +248,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _fail(f"{storage.url}: no committed step to verify")
     console = Console()
     damaged = 0
-    for step in steps:
+    for step in _with_bar(console, "verifying steps", steps):
         report = verify_step(storage, step)
         if report.ok:
             console.print(f"[green]ok[/green]      step {step}: {report.tensors} tensors, {_human(report.bytes_checked)} verified")
@@ -237,7 +271,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for p in problems:
         console.print(f"[red]skipped[/red] {p}", markup=False)
     verb = "would remove" if args.dry_run else "removing"
-    for g in garbage:
+    for g in _with_bar(console, "removing", garbage) if not args.dry_run else garbage:
         console.print(f"{verb} {g.path} ({_human(g.nbytes)}): {g.reason}", markup=False, highlight=False)
         if not args.dry_run:
             storage.delete(g.path)

@@ -24,7 +24,6 @@ import atexit
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 import weakref
@@ -41,13 +40,13 @@ from .coordinator import LocalCoordinator, StoreCoordinator, new_namespace
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .background import BackgroundSaves
 from .metrics import SaveStats
-from .options import ManagerOptions, PreemptionOptions, SnapshotMode
+from .loop import LoopHooks, StepScope  # noqa: F401 - StepScope is what mgr.step() returns
+from .options import ManagerOptions, SnapshotMode
 from .plan import PackPlan, plan_pack
 from .preemption import Preemption
 from .choose import choose_step
 from .restore import execute
 from .schedule import SaveSchedule
-from .steptime import RunSummary
 from .retention import tier_states
 from .staging import StagingPool
 from .storage import FsspecStorage, LocalStorage, open_storage
@@ -101,11 +100,12 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, done={self.done()})"
 
 
-class CheckpointManager(BackgroundSaves):
+class CheckpointManager(BackgroundSaves, LoopHooks):
     """Asynchronous, verified checkpoints of a training state in `local_dir`.
 
     One manager per directory and process. See README.md for a training-loop example and
-    docs/design.md for the threads and the failure model.
+    docs/design.md for the threads and the failure model. Step marks, should_save() and
+    handle_preemption() are in loop.py (docs/observability.md).
     """
 
     def __init__(
@@ -343,74 +343,6 @@ class CheckpointManager(BackgroundSaves):
         with self._lock:
             return list(self._stats)
 
-    def step(self, step: int) -> "StepScope":
-        """Mark the beginning of training step `step` (which ends the step begun before it).
-
-        Not needed in loops with an optimizer: each optimizer.step() marks a step already. Call it
-        at the top of every iteration, or wrap the iteration in ``with mgr.step(step):`` (which also
-        marks its end). From the first call on, steps are marked only this way.
-        """
-        self._check_step(step)
-        self._marks_steps = True
-        self._acct.begin(step)
-        if self._preemption is not None:
-            self._preemption.check(self._acct.last_step)
-        return StepScope(self, step)
-
-    def should_save(self, step: int) -> bool:
-        """Whether to save `step` now, by the manager's `interval` (every N steps, or "auto").
-
-        Call it where you would save, after training step `step`: ``if mgr.should_save(step):
-        mgr.save(step, state)``. With interval="auto" the first call of a run answers True, and
-        later ones follow Daly's interval from the measured cost of saves (checkpointing/schedule.py).
-        """
-        self._check_step(step)
-        schedule = self._acct.schedule
-        if schedule is None:
-            raise CheckpointConfigError("should_save() needs a schedule: create the manager with interval=N (every N steps) "
-                                        "or interval='auto' with mtbf_s=...")
-        self._acct.last_step = step
-        self._marks_steps = True
-        if self._preemption is not None:
-            self._preemption.check(step)
-        return schedule.due(step)
-
-    def handle_preemption(self, state: Mapping[str, Any], *, grace_s: float = 30.0,
-                          signals: tuple[int, ...] | list[int] = (signal.SIGTERM,)) -> None:
-        """On one of `signals`, save `state` at the next step boundary, commit it locally, and exit.
-
-        Call it once, from the main thread, on every rank, with the state you pass to save().
-        After the signal, the next ``mgr.should_save(step)``, ``mgr.save(step, ...)`` or
-        ``mgr.step(step)`` (a point where `state` is that after a finished step) saves it as that
-        step (a save of that step in flight is finished instead), waits until it is committed on
-        the local tier (the remote upload may not finish; the next start resumes it), and exits
-        with status 128 + signum, within `grace_s` seconds of the signal (after which the process
-        exits anyway, leaving nothing half-visible). Several ranks agree on the step through the
-        job's store. Details: checkpointing/preemption.py and docs/observability.md.
-        """
-        self._check_open()
-        options = PreemptionOptions(grace_s=grace_s, signals=tuple(signals) if isinstance(signals, (tuple, list)) else signals)
-        if not isinstance(state, Mapping):
-            raise CheckpointConfigError(f"handle_preemption(state=...) needs the dict you pass to save(), got a {type(state).__name__}")
-        if self._preemption is not None:
-            self._preemption.stop()
-        self._preemption = Preemption(self, state, options)
-        self._preemption.install()
-
-    @property
-    def interval_steps(self) -> int | None:
-        """The interval should_save() follows, in steps (None without one, or before "auto" measured a save)."""
-        schedule = self._acct.schedule
-        if schedule is None:
-            return None
-        return schedule.interval if schedule.interval != "auto" else schedule.every_steps
-
-    def summary(self) -> RunSummary:
-        """The run so far: steps, training wall time, what the saves cost in all and as a share of
-        training time, the median step time, and seconds from this manager's creation to the first
-        durable save (time_to_first_durable_s)."""
-        return self._acct.summary()
-
     @property
     def staging_bytes(self) -> int:
         """Bytes held by the staging pool (allocated once, reused by every save)."""
@@ -461,20 +393,6 @@ class CheckpointManager(BackgroundSaves):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
-
-    def _check_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= layout.MAX_STEP:
-            raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{layout.MAX_STEP}")
-
-    def _replace_stats(self, job: SaveJob, old: SaveStats, new: SaveStats) -> None:
-        """A save's record gained its step fields (SaveAccounting)."""
-        with self._lock:
-            for i in range(len(self._stats) - 1, -1, -1):
-                if self._stats[i] is old:
-                    self._stats[i] = new
-                    break
-            if job.stats is old:
-                job.stats = new
 
     def _raise_upload_error(self, upload: UploadJob) -> None:
         if upload.error is not None and not upload.error_reported:
@@ -547,22 +465,6 @@ class CheckpointManager(BackgroundSaves):
         for step in catalog.list_steps(self.storage).incomplete:
             log.info("checkpointing: removing incomplete step %d (a save that did not commit) from %s", step, self.directory)
             catalog.delete_step(self.storage, step)
-
-
-class StepScope:
-    """What mgr.step(step) returns: ``with mgr.step(step):`` also marks the step's end."""
-
-    def __init__(self, manager: CheckpointManager, step: int) -> None:
-        self._manager, self.step = manager, step
-
-    def __enter__(self) -> "StepScope":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self._manager._acct.end(self.step)
-            if self._manager._preemption is not None:
-                self._manager._preemption.check(self.step)
 
 
 _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()

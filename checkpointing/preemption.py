@@ -55,7 +55,7 @@ STOP_KEY = "preempt/stop"
 class Preemption:
     """One manager's handling of preemption signals; see the module docstring."""
 
-    def __init__(self, manager: Any, state: Mapping[str, Any], options: PreemptionOptions) -> None:
+    def __init__(self, manager: Any, state: Mapping[str, Any], options: PreemptionOptions, *, store: Any = None) -> None:
         self.manager = manager
         self.state = state
         self.options = options
@@ -67,9 +67,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._signalled = threading.Event()
         self._disarmed = threading.Event()
-        self._store = None
-        if manager.world_size > 1:
-            self._store = manager._coord.new_store_client()
+        self._store = store  # the training thread's connection to the job's store (several ranks), or None
         self._watchdog = threading.Thread(target=self._watch, name="ckpt-preempt", daemon=True)
 
     # ------------------------------------------------------------------ installation (main thread)
@@ -135,7 +133,7 @@ class Preemption:
         """The optimizer pre-hook of a loop that marks no step: finish the in-flight save and exit."""
         if self.handled or self._acting:
             return
-        if self.signum is None and (self._store is None or self._stop is None and not self._store.check([STOP_KEY])):
+        if self.signum is None and (self._store is None or self._stop is None and not self._poll()):
             return
         if self._store is not None and self.signum is not None:
             self._store.compare_set(STOP_KEY, "", "-1")  # the other ranks stop too (nothing new is saved)
@@ -152,7 +150,7 @@ class Preemption:
         if self._stop is not None:
             return self._stop
         assert self._store is not None
-        if self._store.check([STOP_KEY]):
+        if self._poll():
             self._stop = int(self._store.get(STOP_KEY))
         elif self.signum is not None and step is not None:
             self._stop = int(self._store.compare_set(STOP_KEY, "", str(step + 1)))
@@ -217,17 +215,40 @@ class Preemption:
             job.error_reported = True
 
     def _barrier(self) -> None:
+        """Every rank is done; then rank 0 (which may host the store) leaves last."""
         if self._store is None:
             return
         mgr = self.manager
-        self._store.set(f"preempt/done/{mgr.rank}", b"1")
-        keys = [f"preempt/done/{r}" for r in range(mgr.world_size)]
         end = time.monotonic() + max(0.0, (self.remaining() or 0.0) - 1.0)
+        try:
+            self._store.set(f"preempt/done/{mgr.rank}", b"1")
+            if not self._wait([f"preempt/done/{r}" for r in range(mgr.world_size)], end):
+                log.error("checkpointing: not every rank finished the emergency save within the grace period; exiting")
+                return
+            self._store.set(f"preempt/left/{mgr.rank}", b"1")
+            if mgr.rank == 0:
+                self._wait([f"preempt/left/{r}" for r in range(mgr.world_size)], end)
+        except Exception as exc:  # noqa: BLE001 - the store is gone (its host exited): nothing left to wait for
+            log.warning("checkpointing: rank %d: the store went away during the exit barrier (%s)", mgr.rank, type(exc).__name__)
+
+    def _wait(self, keys: list[str], end: float) -> bool:
+        assert self._store is not None
         while not self._store.check(keys):
             if time.monotonic() >= end:
-                log.error("checkpointing: not every rank finished the emergency save before the grace period; exiting")
-                return
-            time.sleep(0.01)
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _poll(self) -> bool:
+        """Whether another rank asked to stop (one store round trip); a lost store reads as no."""
+        assert self._store is not None
+        try:
+            return bool(self._store.check([STOP_KEY]))
+        except Exception as exc:  # noqa: BLE001 - never break the training loop over a status poll
+            if not getattr(self, "_poll_failed", False):
+                self._poll_failed = True
+                log.warning("checkpointing: rank %d cannot reach the store to check for preemption: %s", self.manager.rank, exc)
+            return False
 
     def _exit(self, step: int | None) -> None:
         self.handled = True

@@ -40,6 +40,8 @@ class SaveSchedule:
     every_steps: int | None = None  # "auto": the interval in steps in use (None before a measurement)
     from_step: int = 0  # "auto": every_steps applies to decisions for steps >= from_step
     proposed: int | None = None  # "auto": the newest interval computed here (what rank 0 publishes)
+    saves: int = 0  # saves issued in this run: the period a value is adopted for (several ranks)
+    adopted_period: int | None = None
     advice: advice.IntervalAdvice | None = None  # the newest computation
     _costs: Deque[float] = dataclasses.field(default_factory=collections.deque)
 
@@ -51,13 +53,15 @@ class SaveSchedule:
             return step % self.interval == 0
         if self.last_save is None:
             return True
-        if self.every_steps is None:
-            return False
+        if self.every_steps is None or (not self.follow and self.adopted_period != self.saves):
+            return False  # not measured yet; or (following rank 0) no value for this period yet
         return step >= max(self.last_save + self.every_steps, self.from_step)
 
     def saved(self, step: int) -> None:
-        """A save of `step` was issued (by should_save's advice or not)."""
+        """A save of `step` was issued (by should_save's advice or not). Not following: the next
+        decisions wait for a value adopted for the new period."""
         self.last_save = step
+        self.saves += 1
 
     def observe(self, cost_s: float, step_time_s: float | None) -> int | None:
         """A save's measured cost and the current median step time; returns the proposed interval
@@ -74,5 +78,7 @@ class SaveSchedule:
         return self.proposed
 
     def adopt(self, every_steps: int, from_step: int) -> None:
+        """Use `every_steps` for decisions about steps >= `from_step`, in the current period."""
         self.every_steps = max(1, int(every_steps))
         self.from_step = from_step
+        self.adopted_period = self.saves

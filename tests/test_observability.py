@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import select
 import signal
 import statistics
@@ -19,6 +20,7 @@ import time
 import pytest
 import torch
 
+from _dist import run_ranks
 from _models import CrashNet, child_env, crash_const, crash_expected
 from checkpointing import CheckpointConfigError, CheckpointManager, advice
 from checkpointing.cli import main
@@ -206,7 +208,66 @@ def test_interval_auto_saves_at_once_then_at_dalys_interval(tmp_path):
     assert abs(k - expected) <= max(1, expected // 5), (k, expected)
 
 
+def auto_interval_worker(rank: int, world: int, directory: str) -> tuple[list[int], int | None]:
+    """Ranks in lockstep (an all-reduce per step, like data-parallel training) with interval="auto"."""
+    import torch.distributed as dist
+
+    saves = []
+    with CheckpointManager(directory, interval="auto", mtbf_s=0.5) as mgr:
+        for step in range(1, 121):
+            with mgr.step(step):
+                time.sleep(0.005 * (1 + 2 * rank))  # the ranks measure different numbers of their own
+                dist.all_reduce(torch.ones(1))
+                if mgr.should_save(step):
+                    saves.append(step)
+                    mgr.save(step, {"w": torch.full((1 << 17,), float(step))})
+        return saves, mgr.interval_steps
+
+
+def test_ranks_agree_on_the_auto_interval(tmp_path):
+    (saves0, k0), (saves1, k1) = run_ranks(auto_interval_worker, 2, str(tmp_path / "ck"), tmp=tmp_path)
+    assert saves0 == saves1 and k0 == k1 and k0 is not None, (saves0, saves1, k0, k1)
+    assert saves0[0] == 1 and len(saves0) >= 3, saves0
+
+
 # ---------------------------------------------------------------------- preemption
+
+
+def preempted_worker(rank: int, world: int, directory: str, signal_at: int) -> dict:
+    """Rank 0 alone gets SIGTERM during step `signal_at`; rank 1 must stop at the same step."""
+    import torch.distributed as dist
+
+    state = {"w": torch.zeros(1 << 18), "step": 0}
+    mgr = CheckpointManager(directory, interval=5)
+    mgr.handle_preemption(state, grace_s=30.0)
+    done = []
+    try:
+        for step in range(1, 10_000):
+            dist.all_reduce(torch.ones(1))
+            mgr.wait_staged()
+            state["w"].fill_(float(step))
+            state["step"] = step
+            if rank == 0 and step == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.should_save(step):
+                mgr.save(step, state)
+            done.append(step)
+    except SystemExit as exc:
+        return {"code": exc.code, "last_done": done[-1], "steps": mgr.steps()}
+    return {"code": None, "last_done": done[-1], "steps": mgr.steps()}
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(tmp_path):
+    ck = str(tmp_path / "ck")
+    r0, r1 = run_ranks(preempted_worker, 2, ck, 12, tmp=tmp_path, timeout=120.0)
+    assert r0["code"] == r1["code"] == 128 + signal.SIGTERM, (r0, r1)
+    # rank 0 proposed step 13 (its step at the signal + 1): both finished step 12 and stopped at step 13's should_save
+    assert r0["last_done"] == r1["last_done"] == 12, (r0, r1)
+    assert r0["steps"] == r1["steps"] and r0["steps"][-1] == 13, (r0, r1)
+    with CheckpointManager(ck) as mgr:  # saved on 2 ranks, restored here on 1
+        state = {"w": torch.zeros(1 << 18), "step": 0}
+        assert mgr.restore(state) == 13 and state["step"] == 13 and torch.equal(state["w"], torch.full((1 << 18,), 13.0))
+
 
 GRACE_S = 20.0
 
@@ -353,3 +414,27 @@ def test_sigterm_at_random_moments_saves_the_latest_step_and_exits(tmp_path, cap
         log.append((mode, mid_save, bool(in_flight), last_done, step, round(took, 2)))
     print("deliveries (mode, sent after SAVING, save in flight, last done, restored, exit s):", log)
     assert sum(1 for entry in log if entry[2]) >= 1, f"no signal landed during a save: {log}"
+
+
+def test_verify_and_gc_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, capsys):
+    import io
+
+    from checkpointing import cli
+
+    with CheckpointManager(tmp_path, keep_local=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((1 << 12,), float(step))})
+    (tmp_path / "step-0000000009").mkdir()  # an incomplete step: garbage for gc
+    (tmp_path / "step-0000000009" / "r00000.x.pack").write_bytes(b"x" * 10)
+    screen = io.StringIO()
+    real = cli.Console
+    monkeypatch.setattr(cli, "Console", lambda **kw: real(file=screen, force_terminal=True, width=100, **kw))
+    assert main(["verify", str(tmp_path)]) == 0
+    assert main(["gc", str(tmp_path), "--min-age-s", "0"]) == 0
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())  # without the terminal's colour codes
+    assert "verifying steps" in drawn and "3/3" in drawn and "removing" in drawn and "all 3 step(s) verified" in drawn
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path)]) == 0  # not a terminal: the plain lines, no bar
+    out = capsys.readouterr().out
+    assert "verifying steps" not in out and "\x1b[" not in out and out.count("ok") == 3 and "all 3 step(s) verified" in out
