@@ -16,6 +16,11 @@ each step once it is committed locally. save() does not wait for that upload, on
 before it: at most one step uploads while the next one is written, so a link slower than the
 checkpoint interval shows up as wait_prev_s instead of an unbounded backlog of local steps.
 handle.wait() and wait() return once a step is durable on every tier.
+
+Observability (loop.py, accounting.py): optimizer.step() or mgr.step() marks steps; each save's
+record is completed with what it cost the loop once the steps during its background work have
+ended, and written by a "ckpt-metrics" thread that also runs the on_metrics callback. With
+handle_preemption() a "ckpt-preempt" watchdog thread ends the process if the grace period runs out.
 """
 
 from __future__ import annotations

@@ -178,13 +178,18 @@ class Preemption:
             log.warning("checkpointing: preempted (%s) before any step ended: nothing newer than the committed steps to save", name)
         else:
             job = mgr._current
-            if job is None or job.step != step:
-                if step in mgr._committed_fast():
-                    job = None
-                else:
-                    log.warning("checkpointing: preempted (%s): emergency save of step %d (%.1f s of the %.0f s grace left)",
-                                name, step, self.remaining() or 0.0, self.options.grace_s)
-                    job = self._save(step)
+            writing = job is not None and not job.done.is_set()
+            if job is not None and job.step == step:
+                if writing:
+                    log.warning("checkpointing: preempted (%s): finishing the in-flight save of step %d", name, step)
+            elif step in mgr._committed_fast():
+                job = None
+            else:
+                if writing:
+                    log.warning("checkpointing: preempted (%s): finishing the in-flight save of step %d first", name, job.step)
+                log.warning("checkpointing: preempted (%s): emergency save of step %d (%.1f s of the %.0f s grace left)",
+                            name, step, self.remaining() or 0.0, self.options.grace_s)
+                job = self._save(step)
             if job is not None:
                 self._wait_local(job)
                 if job.error is None:

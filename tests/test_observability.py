@@ -185,7 +185,7 @@ def test_auto_schedule_by_hand():
 
 
 def test_interval_auto_saves_at_once_then_at_dalys_interval(tmp_path):
-    mtbf = 2.0  # seconds: a tiny MTBF gives an interval of a few 10 ms steps
+    mtbf = 0.2  # seconds: Daly's interval is at most M, so at most 20 steps of 10 ms here
     saves, intervals = [], []
     with CheckpointManager(tmp_path, interval="auto", mtbf_s=mtbf) as mgr:
         for step in range(1, 121):
@@ -195,17 +195,16 @@ def test_interval_auto_saves_at_once_then_at_dalys_interval(tmp_path):
                     intervals.append(mgr.interval_steps)
                     saves.append(step)
                     mgr.save(step, {"w": torch.full((1 << 18,), float(step))})
-        stats = mgr.stats()
-        k = mgr.interval_steps
+    stats, k = mgr.stats(), mgr.interval_steps  # after close(): the last save's cost is in too
     assert saves[0] == 1 and intervals[0] is None  # the first opportunity, before any measurement
     assert intervals[1] is not None  # the second waits for the first's measured cost
-    assert 3 <= len(saves) <= 60, saves
+    assert 6 <= len(saves) <= 60, saves
     for prev, step, every in zip(saves[1:], saves[2:], intervals[2:]):
         assert step - prev >= 1 and every is not None
     # the interval in use is Daly's for the median cost of the measured saves (as the report computes it)
     costs = [s.step_stall_s - s.wait_prev_s + s.slowdown_s for s in stats if s.slowdown_s is not None][-15:]
     expected = advice.advise(statistics.median(costs), mtbf, step_time_s=stats[-1].step_time_s).every_steps
-    assert abs(k - expected) <= max(1, expected // 5), (k, expected)
+    assert k == expected
 
 
 def auto_interval_worker(rank: int, world: int, directory: str) -> tuple[list[int], int | None]:
@@ -213,7 +212,7 @@ def auto_interval_worker(rank: int, world: int, directory: str) -> tuple[list[in
     import torch.distributed as dist
 
     saves = []
-    with CheckpointManager(directory, interval="auto", mtbf_s=0.5) as mgr:
+    with CheckpointManager(directory, interval="auto", mtbf_s=0.3) as mgr:  # at most 0.3 s: a few saves in 120 steps
         for step in range(1, 121):
             with mgr.step(step):
                 time.sleep(0.005 * (1 + 2 * rank))  # the ranks measure different numbers of their own
@@ -377,7 +376,7 @@ def test_sigterm_at_random_moments_saves_the_latest_step_and_exits(tmp_path, cap
     log = []
     for i in range(6):
         mode = ("should_save", "step")[i % 2]
-        mid_save = i % 3 == 1  # right after a save() began: the background write is in flight
+        mid_save = i % 3 == 1  # as save() begins: the signal lands while that save is in flight
         child = Child(script, ck, mode, tmp_path, i)
         try:
             assert child.read(60.0, until="READY"), f"child {i} not ready:\n{child.err_path.read_text()}"
@@ -397,6 +396,7 @@ def test_sigterm_at_random_moments_saves_the_latest_step_and_exits(tmp_path, cap
         finally:
             child.close()
         err = child.err_path.read_text()
+        in_flight = bool(in_flight) or "finishing the in-flight save" in err
         assert rc == 128 + signal.SIGTERM, f"child {i} exited with {rc}:\n{err}"
         assert took < GRACE_S, f"child {i} took {took:.1f} s to exit"
         committed, incomplete = committed_and_incomplete(ck)
@@ -411,9 +411,9 @@ def test_sigterm_at_random_moments_saves_the_latest_step_and_exits(tmp_path, cap
         assert all(torch.equal(net.state_dict()[k], v) for k, v in crash_expected(step).items())
         assert main(["verify", str(ck)]) == 0, capsys.readouterr().out
         latest = step
-        log.append((mode, mid_save, bool(in_flight), last_done, step, round(took, 2)))
+        log.append((mode, mid_save, in_flight, last_done, step, round(took, 2)))
     print("deliveries (mode, sent after SAVING, save in flight, last done, restored, exit s):", log)
-    assert sum(1 for entry in log if entry[2]) >= 1, f"no signal landed during a save: {log}"
+    assert sum(1 for entry in log if entry[2]) >= 2, f"fewer than two signals landed during a save: {log}"
 
 
 def test_verify_and_gc_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, capsys):
