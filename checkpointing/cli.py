@@ -251,7 +251,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for step in _with_bar(console, "verifying steps", steps):
         report = verify_step(storage, step)
         if report.ok:
-            console.print(f"[green]ok[/green]      step {step}: {report.tensors} tensors, {_human(report.bytes_checked)} verified")
+            others = f"; {report.elsewhere} shard(s) live on other ranks' local tiers" if report.elsewhere else ""
+            console.print(f"[green]ok[/green]      step {step}: {report.tensors} tensors, {_human(report.bytes_checked)} verified{others}")
         else:
             damaged += 1
             console.print(f"[red]DAMAGED[/red] step {step}: {len(report.problems)} problem(s)")

@@ -6,6 +6,7 @@ import dataclasses
 
 from . import catalog
 from .errors import CheckpointError
+from .coordinator import TIER_FILE
 from .manifest import chunk_digest
 from .storage import Storage
 
@@ -16,36 +17,61 @@ class StepReport:
     tensors: int
     bytes_checked: int
     problems: tuple[str, ...]
+    elsewhere: int = 0  # shards whose every copy lives on another local tier (not checked here)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
+def tier_here(storage: Storage) -> str | None:
+    """The id of the local tier `storage` is, or None for a tier without one (remote: every primary copy)."""
+    try:
+        return storage.get(TIER_FILE).decode("ascii").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+
+
 def verify_step(storage: Storage, step: int) -> StepReport:
+    """Read every chunk this tier holds for `step` and check its digest.
+
+    A local tier holds the copies the file table places on it (its TIER id); shards of ranks on
+    other local tiers are counted in `elsewhere`, not reported as missing. A tier without an id
+    (the remote tier) must hold every primary copy.
+    """
     try:
         manifest = catalog.load_manifest(storage, step)
     except CheckpointError as exc:
         return StepReport(step, 0, 0, (str(exc),))
+    here = tier_here(storage)
+    tier_of = {f.path: f.tier for f in manifest.files}
     problems: list[str] = []
-    checked = 0
+    checked = elsewhere = 0
     buf = bytearray()
     for entry in manifest.tensors:
         for shard in entry.shards:
-            for c in shard.chunks:
-                if len(buf) < c.length:
-                    buf = bytearray(c.length)
-                view = memoryview(buf)[: c.length]
-                where = f"step {step}, tensor {entry.key!r}, {c.file} bytes {c.offset}..{c.offset + c.length}"
-                try:
-                    storage.read_into(c.file, c.offset, view)
-                except FileNotFoundError:
-                    problems.append(f"{where}: file missing")
+            if here is None:
+                copies = [shard.chunks]
+            else:
+                copies = [c for c in shard.copies() if not c or tier_of.get(c[0].file, "") in ("", here)]
+                if not copies:
+                    elsewhere += 1
                     continue
-                except EOFError:
-                    problems.append(f"{where}: file truncated")
-                    continue
-                if chunk_digest(view) != c.digest:
-                    problems.append(f"{where}: digest mismatch (damaged bytes)")
-                checked += c.length
-    return StepReport(step, len(manifest.tensors), checked, tuple(problems))
+            for copy in copies:
+                for c in copy:
+                    if len(buf) < c.length:
+                        buf = bytearray(c.length)
+                    view = memoryview(buf)[: c.length]
+                    where = f"step {step}, tensor {entry.key!r}, {c.file} bytes {c.offset}..{c.offset + c.length}"
+                    try:
+                        storage.read_into(c.file, c.offset, view)
+                    except FileNotFoundError:
+                        problems.append(f"{where}: file missing")
+                        continue
+                    except EOFError:
+                        problems.append(f"{where}: file truncated")
+                        continue
+                    if chunk_digest(view) != c.digest:
+                        problems.append(f"{where}: digest mismatch (damaged bytes)")
+                    checked += c.length
+    return StepReport(step, len(manifest.tensors), checked, tuple(problems), elsewhere)

@@ -94,7 +94,7 @@ def test_a_killed_rank_times_out_the_others_and_a_restart_restores(tmp_path):
     assert run_ranks(_dist.restore_latest, 3, ck, tmp=tmp_path) == [(1, 1.0), (1, 2.0), (1, 3.0)]
 
 
-def test_node_local_tiers_hold_what_their_ranks_need(tmp_path):
+def test_node_local_tiers_hold_what_their_ranks_need(tmp_path, capsys):
     base = tmp_path / "nodes"
     assert run_ranks(_dist.node_local_save, 2, str(base), tmp=tmp_path) == [[1], [1]]
     for node in ("node0", "node1"):  # each node-local tier has the manifest, the commit and the replicated table
@@ -103,6 +103,11 @@ def test_node_local_tiers_hold_what_their_ranks_need(tmp_path):
         files = {c[0] for shard in table["shards"] for copy in [shard["chunks"], *shard.get("replicas", [])] for c in copy}
         assert any((base / node / f).exists() for f in files), node
     assert run_ranks(_dist.node_local_restore, 2, str(base), tmp=tmp_path) == ["restored 1", "restored 1"]
+    from checkpointing.cli import main as cli
+
+    for node in ("node0", "node1"):  # verify checks this tier's copies; the other node's shards are not damage
+        assert cli(["verify", str(base / node)]) == 0
+        assert "live on other ranks' local tiers" in " ".join(capsys.readouterr().out.split())
     shutil.rmtree(base / "node1")  # node 1 is replaced; there is no remote tier
     results = run_ranks(_dist.node_local_restore, 2, str(base), tmp=tmp_path)
     for r in results:
