@@ -24,6 +24,7 @@ from rich.table import Table
 
 from . import catalog, layout, report
 from .errors import CheckpointError
+from .export import export_step
 from .retention import tier_states
 from .storage import LocalStorage, Storage, open_storage
 from .verify import verify_step
@@ -286,6 +287,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir, args)
+    step = _resolve_step(storage, args.step)
+    console = Console()
+    total = len(catalog.load_manifest(storage, step).tensors)
+    with _Bar(console, f"exporting step {step}", total) as bar:
+        nbytes = export_step(storage, step, args.out, progress=bar.advance)
+    console.print(f"step {step}: {total} tensors, {_human(nbytes)} written to {args.out} (torch.load(..., weights_only=True) reads it)")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     return report.run(args, Console())
 
@@ -320,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-age-s", type=float, default=3600.0,
                    help="leave objects younger than this alone: they may belong to a save in flight (default 3600; 0: everything)")
     p.set_defaults(func=cmd_gc)
+    p = tier_parser("export", "write a step's full (unsharded) tensors to one torch.save file")
+    p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
+    p.add_argument("--out", required=True, metavar="FILE", help="the file to write ({'step', 'world_size', 'tensors': {key: tensor}})")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("report", help="stall-time table (and --plot) from a directory's metrics.jsonl")
     report.add_arguments(p)
     p.set_defaults(func=cmd_report)

@@ -143,3 +143,17 @@ def test_torchrun_example_trains_resumes_and_reshards(tmp_path):
     assert "resumed at 0, trained to 10" in first and "steps on disk [5, 10]" in first, first
     second = torchrun(1, 15)
     assert "resumed at 10, trained to 15" in second and "steps on disk [10, 15]" in second, second
+
+
+def test_export_writes_full_tensors_of_a_sharded_step(saved, tmp_path):
+    """`checkpointing export` on a 4-rank checkpoint: one file of unsharded tensors, loadable without pickle."""
+    from checkpointing.cli import main as cli
+
+    directory, ref_path, _ = saved[4]
+    out = tmp_path / "full.pt"
+    assert cli(["export", directory, "--out", str(out)]) == 0
+    data = torch.load(out, weights_only=True)
+    assert data["step"] == 3 and data["world_size"] == 4
+    ref = torch.load(ref_path)
+    model = {k: v for k, v in ref.items() if k.startswith("model/")}
+    assert model and all(torch.equal(data["tensors"][k], v) for k, v in model.items())
