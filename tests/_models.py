@@ -212,5 +212,15 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
+def resume_mismatch(net: nn.Module, const: torch.Tensor, state: dict, start: int) -> str | None:
+    """Why a crash child's resumed state differs from what step `start` saved (None: it is exact)."""
+    exp = crash_expected(start)
+    sd = net.state_dict()
+    bad = [k for k in exp if not torch.equal(sd[k], exp[k])]
+    if bad or not torch.equal(const, crash_const()) or state["meta"] != {"step": start, "tag": "crash"}:
+        return f"{start} {bad} {state['meta']}"
+    return None
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("helper module")

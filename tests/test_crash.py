@@ -26,7 +26,7 @@ CHILD = textwrap.dedent(r"""
     import torch
     torch.set_num_threads(1)
     from checkpointing import CheckpointManager
-    from _models import CrashNet, crash_const, crash_expected
+    from _models import CrashNet, crash_const, crash_expected, resume_mismatch
 
     ck = sys.argv[1]
     net = CrashNet()
@@ -36,12 +36,10 @@ CHILD = textwrap.dedent(r"""
     start = mgr.restore(state)
     if start is None:
         start = 0
-    else:  # the resumed state must be exactly the one saved at `start`
-        exp = crash_expected(start)
-        sd = net.state_dict()
-        bad = [k for k in exp if not torch.equal(sd[k], exp[k])]
-        if bad or not torch.equal(const, crash_const()) or state["meta"] != {"step": start, "tag": "crash"}:
-            print(f"RESUME_MISMATCH {start} {bad} {state['meta']}", flush=True)
+    else:
+        why = resume_mismatch(net, const, state, start)  # the resumed state must be exactly the one of step `start`
+        if why:
+            print(f"RESUME_MISMATCH {why}", flush=True)
             sys.exit(3)
     const.copy_(crash_const())
     print(f"READY {start}", flush=True)
