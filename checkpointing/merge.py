@@ -17,6 +17,7 @@ Everything that is wrong is collected and raised together.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -75,8 +76,6 @@ def encode_part(part: RankPart) -> bytes:
 
 def decode_part(data: bytes) -> RankPart:
     """Parts come from our own ranks over the store; a malformed one is a bug, reported as ManifestError."""
-    import json
-
     try:
         obj = json.loads(data)
         leaves = tuple(

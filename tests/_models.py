@@ -212,14 +212,29 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
-def resume_mismatch(net: nn.Module, const: torch.Tensor, state: dict, start: int) -> str | None:
-    """Why a crash child's resumed state differs from what step `start` saved (None: it is exact)."""
-    exp = crash_expected(start)
-    sd = net.state_dict()
-    bad = [k for k in exp if not torch.equal(sd[k], exp[k])]
-    if bad or not torch.equal(const, crash_const()) or state["meta"] != {"step": start, "tag": "crash"}:
-        return f"{start} {bad} {state['meta']}"
-    return None
+def crash_state() -> tuple[nn.Module, torch.Tensor, dict]:
+    """A crash child's model, constant tensor and the state dict that saves both."""
+    net = CrashNet()
+    const = torch.zeros(512, 1024)
+    return net, const, {"model": net, "const": const, "meta": {"step": -1, "tag": ""}}
+
+
+def resume_crash_child(mgr, net: nn.Module, const: torch.Tensor, state: dict) -> int:
+    """Restore a crash child; exit 3 (printing RESUME_MISMATCH) unless the state is exactly the
+    restored step's. Prints READY <start> and returns the step it resumed at (0 on a fresh run)."""
+    start = mgr.restore(state)
+    if start is None:
+        start = 0
+    else:
+        exp = crash_expected(start)
+        sd = net.state_dict()
+        bad = [k for k in exp if not torch.equal(sd[k], exp[k])]
+        if bad or not torch.equal(const, crash_const()) or state["meta"] != {"step": start, "tag": "crash"}:
+            print(f"RESUME_MISMATCH {start} {bad} {state['meta']}", flush=True)
+            sys.exit(3)
+    const.copy_(crash_const())
+    print(f"READY {start}", flush=True)
+    return start
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,23 +26,12 @@ CHILD = textwrap.dedent(r"""
     import torch
     torch.set_num_threads(1)
     from checkpointing import CheckpointManager
-    from _models import CrashNet, crash_const, crash_expected, resume_mismatch
+    from _models import crash_expected, crash_state, resume_crash_child
 
     ck = sys.argv[1]
-    net = CrashNet()
-    const = torch.zeros(512, 1024)
-    state = {"model": net, "const": const, "meta": {"step": -1, "tag": ""}}
+    net, const, state = crash_state()
     mgr = CheckpointManager(ck, keep_local=%(keep)d)
-    start = mgr.restore(state)
-    if start is None:
-        start = 0
-    else:
-        why = resume_mismatch(net, const, state, start)  # the resumed state must be exactly the one of step `start`
-        if why:
-            print(f"RESUME_MISMATCH {why}", flush=True)
-            sys.exit(3)
-    const.copy_(crash_const())
-    print(f"READY {start}", flush=True)
+    start = resume_crash_child(mgr, net, const, state)
     s = start + 1
     while True:
         vals = crash_expected(s)
