@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-local test bench bench-tiered env clean
+.PHONY: demo demo-local test bench bench-tiered bench-incremental env clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: env
 # remote tier: ~1 GB step against plain s3fs on an embedded S3 (a few minutes)
 bench-tiered: env
 	$(PY) bench/bench_tiered.py --md bench/out/tiered.md
+
+# incremental vs full saves: fine-tuning, embedding (chunk_bytes sweep), dense (a few minutes)
+bench-incremental: env
+	$(PY) bench/bench_incremental.py --md bench/out/incremental.md
 
 clean:
 	rm -rf $(VENV) demo-run bench/out
