@@ -16,11 +16,13 @@ import threading
 import time
 from typing import Any
 
-from . import catalog
+from . import catalog, gc
 from .coordinator import LocalCoordinator, StoreCoordinator
 from .errors import CheckpointUploadError
 from .accounting import SaveAccounting
+from .manifest import encode_manifest, manifest_digest
 from .metrics import SaveStats, log_save, stats_of
+from .reuse import ReuseBase, base_after_save
 from .staging import StagingPool
 from .storage import LocalStorage
 from .tiering import Uploader, UploadJob
@@ -46,6 +48,8 @@ class BackgroundSaves:
     _lock: threading.Lock
     _stats: list[SaveStats]
     _acct: SaveAccounting
+    _base: ReuseBase | None
+    _current: SaveJob | None
 
     def _remote_url(self) -> str:
         raise NotImplementedError
@@ -77,11 +81,15 @@ class BackgroundSaves:
                 self.storage.delete(part.file)  # nothing will ever reference this pack
                 raise
             job.t_committed = time.perf_counter()
+            if self.options.incremental and job.refs and job.plan.pool_bytes >= job.plan.pack_bytes:
+                self._base = base_after_save(job.plan, self._pool.allocations, job.manifest,
+                                             manifest_digest(encode_manifest(job.manifest)), job.digests, job.refs)
         except BaseException as exc:  # reported at the next save()/wait()
             if not job.error_reported:
                 job.error = exc
             elif exc is not job.error:
                 log.error("checkpointing: rank %d, step %d: %s", self.rank, job.step, exc)
+        gc.remove_pin(self.storage, job.pin)  # committed (the manifest protects its files now) or failed
         job.release_waiters()
         if job.error is None and coord.leader:
             self._retain_local(job.step)
@@ -101,9 +109,11 @@ class BackgroundSaves:
     def _retain_local(self, newest: int) -> None:
         """keep_local on this local tier (its leader only); never a step whose upload is not finished."""
         pending = self._uploader.pending_steps() if self._uploader is not None else set()
+        current = self._current
+        in_flight = {current.step} if current is not None and not current.done.is_set() else set()
         try:
             with self._retention_lock:
-                catalog.apply_retention(self.storage, self.options.keep_local, protect={newest} | pending)
+                gc.apply_retention(self.storage, self.options.keep_local, protect={newest} | pending, in_flight=in_flight)
         except Exception as exc:  # retention is retried after the next commit; never stop the thread
             log.warning("checkpointing: retention after step %d failed: %s", newest, exc)
 

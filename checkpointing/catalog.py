@@ -1,15 +1,14 @@
-"""The steps on one tier: list them, read a committed step's manifest, commit, delete (I/O).
+"""The steps on one tier: list them, read a committed step's manifest, commit (I/O).
 
 A step is committed only when its COMMIT marker exists and names a manifest whose sha256 matches.
-Write order: pack data -> manifest -> COMMIT. Delete order: COMMIT -> manifest -> data.
+Write order: pack data -> manifest -> COMMIT. Deleting (retention, gc) is gc.py's: COMMIT first,
+then whatever no committed step or save in flight references.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from typing import Collection
 
 from . import layout
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ManifestError
@@ -86,31 +85,6 @@ def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> None:
     storage.put(layout.commit_name(step), encode_commit(marker), exclusive=True)
 
 
-def delete_step(storage: Storage, step: int) -> None:
-    """Remove a step in reverse write order: COMMIT first, so a crash leaves an incomplete step, never a broken one."""
-    sdir = layout.step_dir(step)
-    storage.delete(layout.commit_name(step))
-    for name in storage.list(sdir):
-        if name.startswith("manifest."):
-            storage.delete(f"{sdir}/{name}")
-    storage.delete(sdir)
-
-
-def apply_retention(storage: Storage, keep: int | None, *, protect: int | Collection[int] | None = None) -> list[int]:
-    """Delete committed steps beyond the newest `keep` (never those in `protect`); returns the deleted steps."""
-    if keep is None:
-        return []
-    from .retention import steps_to_delete
-
-    doomed = steps_to_delete(list_steps(storage).committed, keep, protect=protect)
-    for step in doomed:
-        try:
-            delete_step(storage, step)
-        except OSError as exc:  # one failed delete must not stop training; retried after the next save
-            log.warning("checkpointing: could not delete step %d from %s: %s", step, storage.url, exc)
-    return doomed
-
-
 class CommitConflictError(CheckpointError):
     """Another writer committed the same step on a tier first (its COMMIT names another manifest)."""
 
@@ -141,72 +115,3 @@ def copy_commit(src: Storage, dst: Storage, step: int) -> None:
                 f"step {step} is already committed in {dst.url} by another writer (its COMMIT names another manifest); "
                 "two jobs are saving into one remote prefix: give each run its own prefix"
             ) from None
-
-
-def step_nbytes(storage: Storage, step: int) -> int:
-    sdir = layout.step_dir(step)
-    return sum(storage.size(f"{sdir}/{name}") for name in storage.list(sdir))
-
-
-@dataclasses.dataclass(frozen=True)
-class Garbage:
-    path: str  # an object, or an incomplete step directory (everything under it)
-    nbytes: int
-    reason: str
-
-
-def find_garbage(storage: Storage, *, min_age_s: float = 0.0, now: float | None = None) -> tuple[list[Garbage], list[str]]:
-    """What no committed step references: incomplete steps, and files in committed step directories
-    that their manifest does not name (a losing writer's data, stale manifests, temporaries).
-
-    Objects younger than `min_age_s` are left alone (they may belong to a save in flight; needs a
-    backend with mtime()). Returns (garbage, problems): a committed step whose manifest cannot be
-    read is reported in `problems` and nothing of it is touched.
-    """
-    now = time.time() if now is None else now
-    listing = list_steps(storage)
-    referenced: set[str] = set()
-    problems: list[str] = []
-    damaged: set[int] = set()
-    for step in listing.committed:
-        try:
-            marker = read_commit(storage, step)
-            manifest = load_manifest(storage, step)
-        except CheckpointError as exc:
-            problems.append(f"step {step}: {exc}")
-            damaged.add(step)
-            continue
-        referenced.update({layout.commit_name(step), marker.manifest} | {f.path for f in manifest.files} | manifest.data_files())
-    mtime = getattr(storage, "mtime", None)
-
-    def young(path: str) -> bool:
-        if min_age_s <= 0 or mtime is None:
-            return False
-        try:
-            return now - mtime(path) < min_age_s
-        except FileNotFoundError:
-            return False
-
-    out: list[Garbage] = []
-    for step in listing.incomplete:
-        sdir = layout.step_dir(step)
-        names = [f"{sdir}/{n}" for n in storage.list(sdir)]
-        if any(young(p) for p in names) or (not names and young(sdir)):
-            continue
-        out.append(Garbage(sdir, sum(_size(storage, p) for p in names), "incomplete step (no COMMIT)"))
-    for step in listing.committed:
-        if step in damaged:
-            continue
-        sdir = layout.step_dir(step)
-        for name in storage.list(sdir):
-            path = f"{sdir}/{name}"
-            if path not in referenced and not young(path):
-                out.append(Garbage(path, _size(storage, path), "not referenced by the step's manifest"))
-    return out, problems
-
-
-def _size(storage: Storage, path: str) -> int:
-    try:
-        return storage.size(path)
-    except (FileNotFoundError, EOFError):
-        return 0

@@ -22,12 +22,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from . import catalog, layout, report
+from . import catalog, gc, layout, report
 from .errors import CheckpointError
 from .export import export_step
 from .retention import tier_states
 from .storage import LocalStorage, Storage, open_storage
-from .verify import verify_step
+from .usage import step_usage
+from .verify import tier_here, verify_step
 
 
 def _storage(target: str, args: argparse.Namespace | None = None) -> Storage:
@@ -114,31 +115,44 @@ def cmd_ls(args: argparse.Namespace) -> int:
         remote = _storage(args.remote, args)
         tiers = tier_states(listing.committed, catalog.list_steps(remote).committed)
     rows: list[dict[str, Any]] = []
+    manifests: dict[int, Any] = {}
     for step in sorted(set(listing.committed + listing.incomplete) | set(tiers)):
         committed = step in listing.committed
-        row: dict[str, Any] = {"step": step, "state": "committed" if committed else "incomplete" if step in listing.incomplete else "remote only",
-                               "bytes": catalog.step_nbytes(storage, step)}
+        row: dict[str, Any] = {"step": step, "state": "committed" if committed else "incomplete" if step in listing.incomplete else "remote only"}
         if tiers:
             row["tier"] = tiers.get(step, "")
         if committed:
             row["committed_at"] = _committed_at(storage, step)
             try:
-                row["tensors"] = len(catalog.load_manifest(storage, step).tensors)
+                manifests[step] = catalog.load_manifest(storage, step)
+                row["tensors"] = len(manifests[step].tensors)
+                row["bytes"] = manifests[step].nbytes
             except CheckpointError as exc:
                 row["state"] = "damaged"
                 row["error"] = str(exc)
+        elif step in listing.incomplete:
+            names = storage.list(layout.step_dir(step))
+            row["state"] = "in flight" if any(n.startswith(gc.PIN_PREFIX) for n in names) else \
+                "retired" if names and not any(n.startswith(("manifest.", gc.PIN_PREFIX)) for n in names) else "incomplete"
         rows.append(row)
+    for step, u in step_usage(manifests, tier_here(storage)).items():
+        row = next(r for r in rows if r["step"] == step)
+        row.update(stored=u.referenced, new=u.new, unique=u.unique, shared=u.shared)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table(title=f"checkpoints in {storage.url}" + (f" (tiers: + {remote.url})" if tiers else ""))
-    columns = ["step", "state"] + (["tier"] if tiers else []) + ["size", "tensors", "committed at (UTC)"]
+    table = Table(title=f"checkpoints in {storage.url}" + (f" (tiers: + {remote.url})" if tiers else ""),
+                  caption="size: the state; new: written by that save; unique: referenced by no other listed step; "
+                          "shared: also referenced by another (incremental saves); retired: deleted, but later steps "
+                          "still use chunks in its files")
+    columns = ["step", "state"] + (["tier"] if tiers else []) + ["size", "new", "unique", "shared", "tensors", "committed at (UTC)"]
     for col in columns:
-        table.add_column(col, justify="right" if col in ("step", "size", "tensors") else "left")
+        table.add_column(col, justify="right" if col in ("step", "size", "new", "unique", "shared", "tensors") else "left")
     for r in rows:
-        style = {"committed": "green", "incomplete": "yellow", "damaged": "red", "remote only": "cyan"}[r["state"]]
+        style = {"committed": "green", "damaged": "red", "remote only": "cyan"}.get(r["state"], "yellow")
         cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([r["tier"]] if tiers else [])
-        table.add_row(*cells, _human(r["bytes"]) if r["bytes"] else "", str(r.get("tensors", "")), r.get("committed_at", ""))
+        sizes = [_human(r[k]) if k in r else "" for k in ("bytes", "new", "unique", "shared")]
+        table.add_row(*cells, *sizes, str(r.get("tensors", "")), r.get("committed_at", ""))
     Console().print(table)
     if not rows:
         Console().print("no checkpoints")
@@ -268,22 +282,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     storage = _storage(args.dir, args)
-    garbage, problems = catalog.find_garbage(storage, min_age_s=args.min_age_s)
     console = Console()
-    for p in problems:
-        console.print(f"[red]skipped[/red] {p}", markup=False)
-    verb = "would remove" if args.dry_run else "removing"
-    for g in _with_bar(console, "removing", garbage) if not args.dry_run else garbage:
+    options = dict(min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, measure=True)
+    if args.dry_run:
+        result = gc.collect(storage, dry_run=True, **options)
+    else:
+        total = len(gc.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s).garbage)
+        with _Bar(console, "removing", total) as bar:
+            result = gc.collect(storage, on_delete=lambda g: bar.advance(), **options)
+    for p in result.problems:
+        console.print(f"[red]skipped[/red] {p}: no data removed (a step that cannot be read may reference any file)", markup=False)
+    for step in result.pinned:
+        console.print(f"left step {step}: a save in flight pins it", highlight=False)
+    for step, n in sorted(result.kept.items()):
+        console.print(f"left {n} file(s) of step {step}: later steps still reference their chunks", highlight=False)
+    verb = "would remove" if args.dry_run else "removed"
+    for g in result.garbage:
         console.print(f"{verb} {g.path} ({_human(g.nbytes)}): {g.reason}", markup=False, highlight=False)
-        if not args.dry_run:
-            storage.delete(g.path)
-    total = _human(sum(g.nbytes for g in garbage))
-    if not garbage:
+    total = _human(sum(g.nbytes for g in result.garbage))
+    if not result.garbage:
         console.print(f"nothing unreferenced in {storage.url}")
     elif args.dry_run:
-        console.print(f"{len(garbage)} unreferenced object(s), {total}: run without --dry-run to remove them")
+        console.print(f"{len(result.garbage)} unreferenced object(s), {total}: run without --dry-run to remove them")
     else:
-        console.print(f"removed {len(garbage)} unreferenced object(s), {total}")
+        console.print(f"removed {len(result.garbage)} unreferenced object(s), {total}")
     return 0
 
 
@@ -331,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--min-age-s", type=float, default=3600.0,
                    help="leave objects younger than this alone: they may belong to a save in flight (default 3600; 0: everything)")
+    p.add_argument("--pin-ttl-s", type=float, default=86400.0,
+                   help="a pin (a save in flight) older than this is a crashed writer's and protects nothing (default 86400)")
     p.set_defaults(func=cmd_gc)
     p = tier_parser("export", "write a step's full (unsharded) tensors to one torch.save file")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed step")

@@ -37,7 +37,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import catalog, layout
+from . import catalog, gc, layout
 from .accounting import SaveAccounting
 from .assign import UNIQUE, LeafInfo, assign_regions
 from .codecs import Codec
@@ -53,6 +53,7 @@ from .choose import choose_step
 from .restore import execute
 from .schedule import SaveSchedule
 from .retention import tier_states
+from .reuse import ReuseBase
 from .staging import StagingPool
 from .storage import FsspecStorage, LocalStorage, open_storage
 from .tiering import Uploader, UploadJob, start_uploader
@@ -168,6 +169,7 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         self.world_size = self._coord.world_size
         self._pool = StagingPool()
         self._plan_cache: tuple[tuple, tuple[PackPlan, list[int]]] | None = None
+        self._base: ReuseBase | None = None  # the last committed save's chunks (incremental saves)
         self._current: SaveJob | None = None
         self._seq = 0
         self._stats: list[SaveStats] = []
@@ -237,7 +239,8 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         if any(leaf.tensor.is_cuda for leaf in flat.leaves):
             start_event = torch.cuda.Event()
             start_event.record(torch.cuda.current_stream())
-        job = SaveJob(step, flat, plan, regions, t0, wall, wait_prev_s, start_event=start_event, seq=seq)
+        job = SaveJob(step, flat, plan, regions, t0, wall, wait_prev_s, start_event=start_event, seq=seq, base=self._base)
+        self._base = None  # the pool is about to change: only this save's own success sets a new base
         upload = None
         if self._uploader is not None:
             upload = self._upload_of[job] = UploadJob(step, save=job)
@@ -467,9 +470,12 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
                 torch.cuda.current_stream().wait_event(job.staged_event)
 
     def _remove_incomplete(self) -> None:
-        for step in catalog.list_steps(self.storage).incomplete:
-            log.info("checkpointing: removing incomplete step %d (a save that did not commit) from %s", step, self.directory)
-            catalog.delete_step(self.storage, step)
+        """Saves that did not commit (this is the directory's one writer, so every pin is a crashed save's)."""
+        result = gc.collect(self.storage, pin_ttl_s=0)
+        for step in sorted({layout.parse_step_dir(g.path.split("/")[0]) for g in result.garbage if g.reason.startswith("incomplete")}):
+            log.info("checkpointing: removed incomplete step %d (a save that did not commit) from %s", step, self.directory)
+        for p in result.problems:
+            log.warning("checkpointing: not tidying %s: %s", self.directory, p)
 
 
 _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()

@@ -18,8 +18,8 @@ from .dtypes import BY_NAME, dtype_from_name, itemsize
 from .errors import ManifestError
 from .layout import check_relpath
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: one rank, one tree, no file table
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: one rank, one tree, no file table; 2: no references into other steps' files
 CHUNK_DIGEST = "xxh3-128"
 MAX_TREE_DEPTH = 64
 _DIGEST = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
@@ -204,7 +204,7 @@ def _field(obj: dict, name: str, where: str) -> Any:
 
 
 def decode_commit(data: bytes, where: str) -> CommitMarker:
-    obj = _load_json(data, where, (1, FORMAT_VERSION))
+    obj = _load_json(data, where, READABLE_VERSIONS)
     digest = _field(obj, "manifest_digest", where)
     if not isinstance(digest, str) or not _MANIFEST_DIGEST.fullmatch(digest):
         raise ManifestError(f"{where}: manifest_digest {digest!r:.80} is not 'sha256:<64 hex>'")

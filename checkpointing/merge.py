@@ -42,7 +42,7 @@ class PartLeaf:
     offsets: tuple[int, ...] | None
     digest: str  # of dtype, shape and every chunk digest: equal bytes <=> equal digest
     region: int  # assign.UNIQUE / PRIMARY / TIER / OTHER
-    chunks: tuple[tuple[int, int, str], ...] | None  # (offset in this rank's file, length, digest); None: a peer wrote it
+    chunks: tuple[tuple[str, int, int, str], ...] | None  # (file, offset, length, digest); None: a peer wrote it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ class RankPart:
     nbytes: int  # size of the file
     tree: dict[str, Any]
     leaves: tuple[PartLeaf, ...]
+    borrowed: tuple[FileEntry, ...] = ()  # files of earlier steps this part takes chunks from (their entries, unchanged)
 
 
 def leaf_digest(dtype: str, shape: tuple[int, ...], chunk_digests: list[str]) -> str:
@@ -70,6 +71,7 @@ def encode_part(part: RankPart) -> bytes:
                  None if l.chunks is None else [list(c) for c in l.chunks]]
                 for l in part.leaves
             ],
+            "borrowed": [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in part.borrowed],
         }
     )
 
@@ -80,10 +82,11 @@ def decode_part(data: bytes) -> RankPart:
         obj = json.loads(data)
         leaves = tuple(
             PartLeaf(k, dt, tuple(shape), None if g is None else tuple(g[0]), None if g is None else tuple(g[1]), dig, region,
-                     None if chunks is None else tuple((int(o), int(n), str(d)) for o, n, d in chunks))
+                     None if chunks is None else tuple((str(f), int(o), int(n), str(d)) for f, o, n, d in chunks))
             for k, dt, shape, g, dig, region, chunks in obj["leaves"]
         )
-        return RankPart(int(obj["rank"]), str(obj["file"]), int(obj["nbytes"]), obj["tree"], leaves)
+        borrowed = tuple(FileEntry(str(p), int(r), str(t), int(n), int(pb)) for p, r, t, n, pb in obj.get("borrowed", []))
+        return RankPart(int(obj["rank"]), str(obj["file"]), int(obj["nbytes"]), obj["tree"], leaves, borrowed)
     except (ValueError, KeyError, TypeError) as exc:
         raise ManifestError(f"a rank's save report is malformed ({type(exc).__name__}: {exc})") from None
 
@@ -149,7 +152,9 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...]) -> tup
             seen[key] = len(trees)
             trees.append(tree)
         rank_trees.append(seen[key])
-    files = tuple(FileEntry(p.file, p.rank, tiers[p.rank], p.nbytes, primary_end.get(p.file, 0)) for p in parts if p.nbytes or p.file in primary_end)
+    files = _file_table(parts, tensors, tiers, primary_end, problems)
+    if problems:
+        raise MergeError(problems)
     manifest = Manifest(step=step, trees=tuple(trees), tensors=tuple(tensors), world_size=world, rank_trees=tuple(rank_trees), files=files)
     try:  # what is committed must decode: the reader's own checks, once, here
         decode_manifest(encode_manifest(manifest), f"step {step} manifest")
@@ -157,6 +162,28 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...]) -> tup
         raise MergeError([str(exc)]) from None
     per_rank = frozenset(k for k, by_digest in plain_digests.items() if len(by_digest) > 1 or sum(map(len, by_digest.values())) != world)
     return manifest, per_rank
+
+
+def _file_table(parts: list[RankPart], tensors: list[TensorEntry], tiers: tuple[str, ...], primary_end: dict[str, int],
+                problems: list[str]) -> tuple[FileEntry, ...]:
+    """Each rank's new pack file, then the earlier steps' files the parts take chunks from, as
+    their own manifests listed them (a file's entry never changes: the remote tier holds exactly
+    its primary_bytes). Only files some chunk reference names are listed."""
+    used = {c.file for t in tensors for s in t.shards for copy in s.copies() for c in copy}
+    files = [FileEntry(p.file, p.rank, tiers[p.rank], p.nbytes, primary_end.get(p.file, 0)) for p in parts if p.nbytes or p.file in primary_end]
+    listed = {f.path for f in files}
+    for part in parts:
+        for f in part.borrowed:
+            if f.path in listed or f.path not in used:
+                continue
+            listed.add(f.path)
+            files.append(f)
+            if primary_end.get(f.path, 0) > f.primary_bytes:
+                problems.append(f"{f.path}: rank {part.rank} takes a primary copy from past its uploaded prefix ({f.primary_bytes} bytes)")
+    missing = used - listed
+    if missing:
+        problems.append(f"chunk references name files no rank reported: {sorted(missing)[:5]}")
+    return tuple(files)
 
 
 def _add_shard(entry: _Entry, leaf: PartLeaf, part: RankPart, problems: list[str]) -> None:
@@ -170,7 +197,7 @@ def _add_shard(entry: _Entry, leaf: PartLeaf, part: RankPart, problems: list[str
         problems.append(f"{leaf.key}: replicas of the shard at {list(offsets)} differ between ranks (rank {part.rank} holds other bytes)")
         return
     if leaf.chunks is not None:
-        refs = tuple(ChunkRef(part.file, o, n, d) for o, n, d in leaf.chunks)
+        refs = tuple(ChunkRef(f, o, n, d) for f, o, n, d in leaf.chunks)
         preference = 0 if leaf.region <= 1 else 1  # a copy in the uploaded prefix of its file
         shard.copies.append((preference, part.rank, refs))
 

@@ -31,6 +31,10 @@ class SaveStats:
     snapshot_s: save() entry to the last byte staged. write_s: staged to pack data durable.
     commit_s: manifest + commit marker durable (with several ranks: reporting to rank 0, its merge,
         and every local tier's commit). total_s: save() entry to committed on the local tier.
+    bytes_total: the state's bytes. bytes_written: this rank's new pack file (changed chunks, plus
+        page padding). bytes_reused: chunks an incremental save took from earlier steps instead of
+        writing them (chunks_reused of chunks_total). bytes_upload_reused: with a remote tier, bytes
+        this rank's upload found there already (earlier steps' files, or a resumed upload's).
     tier: where the step is durable: "local", or "local+remote" once uploaded.
     upload_s, bytes_uploaded, upload_bytes_per_s (None without a remote tier): local commit to
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
@@ -76,6 +80,9 @@ class SaveStats:
     overhead_pct: float | None = None
     step_time_s: float | None = None
     time_to_first_durable_s: float | None = None
+    chunks_total: int = 0
+    chunks_reused: int = 0
+    bytes_upload_reused: int | None = None
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -102,14 +109,16 @@ def stats_of(job: Any, upload: Any, *, staging_bytes: int, rank: int, world_size
     remote: dict[str, Any] = {}
     if upload is not None:
         rate = upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0
-        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, upload_bytes_per_s=rate)
+        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, upload_bytes_per_s=rate,
+                      bytes_upload_reused=upload.bytes_present)
     return SaveStats(
         step=job.step, ok=ok, error=None if error is None else f"{type(error).__name__}: {error}",
         wait_prev_s=job.wait_prev_s, stall_s=job.stall_s, guard_wait_s=job.guard_wait_s,
         snapshot_s=max(0.0, job.t_staged - job.t_call - job.wait_prev_s) if job.t_staged else 0.0,
         write_s=write_s, commit_s=max(0.0, job.t_committed - job.t_written) if committed else 0.0,
         total_s=end - job.t_call - job.wait_prev_s,
-        bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if committed else 0, bytes_reused=0,
+        bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if committed else 0,
+        bytes_reused=job.bytes_reused if committed else 0, chunks_total=job.chunks_total, chunks_reused=job.chunks_reused if committed else 0,
         write_bytes_per_s=job.bytes_written / write_s if committed and write_s > 0 else 0.0,
         staging_bytes=staging_bytes, time=job.wall_time, rank=rank, world_size=world_size,
         tier="local+remote" if ok and upload is not None else "local", **remote,
@@ -144,8 +153,9 @@ def log_save(stats: SaveStats, where: str) -> None:
     mb = stats.bytes_written / 1e6
     if stats.ok:
         log.info(
-            "checkpointing: step %d committed in %.3f s (stall %.1f ms, wait_prev %.1f ms, %.1f MB at %.2f GB/s) -> %s",
-            stats.step, stats.total_s, stats.stall_s * 1e3, stats.wait_prev_s * 1e3, mb, stats.write_bytes_per_s / 1e9, where,
+            "checkpointing: step %d committed in %.3f s (stall %.1f ms, wait_prev %.1f ms, %.1f MB at %.2f GB/s%s) -> %s",
+            stats.step, stats.total_s, stats.stall_s * 1e3, stats.wait_prev_s * 1e3, mb, stats.write_bytes_per_s / 1e9,
+            f", {stats.bytes_reused / 1e6:.1f} MB reused" if stats.bytes_reused else "", where,
         )
     elif stats.upload_s is not None and stats.tier == "local":
         log.error("checkpointing: step %d committed locally, its upload failed after %.3f s: %s", stats.step, stats.upload_s, stats.error)

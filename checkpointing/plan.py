@@ -87,3 +87,25 @@ def _place(leaf_nbytes: list[int], deferred: list[bool], order: list[int], chunk
             cursor += length
             done += length
     return PackPlan(tuple(placements), n_eager, cursor, pool or 0)
+
+
+def write_spans(placements: list[Placement], *, align: int = POOL_ALIGN) -> list[tuple[int, int]]:
+    """The pool ranges to write so that `placements` (in pack order) reach the file: each chunk's
+    range widened to whole `align` pages (aligned addresses and lengths keep O_DIRECT writes
+    possible) and adjacent or overlapping ranges merged. The last range ends with its last chunk:
+    a stream's last write may be short, and nothing is written past what was asked for.
+
+    A chunk at pool offset `o` inside span (start, end) written at file offset `w` lands at
+    `w + o - start`; the bytes around it that the widening pulled in are padding.
+    """
+    spans: list[tuple[int, int]] = []
+    for p in placements:
+        start = p.pack_offset // align * align
+        end = round_up(p.pack_offset + p.length, align)
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    if spans:
+        spans[-1] = (spans[-1][0], max(p.pack_offset + p.length for p in placements))
+    return spans

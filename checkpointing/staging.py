@@ -3,6 +3,10 @@
 CPU tensors are copied with a single-threaded memmove that releases the GIL (it must not compete
 with the training step's intra-op threads). CUDA tensors are copied with non-blocking copies on a
 side stream into pinned memory; an event per chunk orders the writer after the copy.
+
+For an incremental save (reuse.py) a CPU chunk is first compared with what the pool already holds
+there (the previous save's bytes): a memcmp that releases the GIL and stops at the first
+difference, so an unchanged chunk costs a read instead of a copy and a changed one costs a copy.
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ import mmap
 from typing import Any
 
 import torch
+
+_libc = ctypes.CDLL(None)
+_memcmp = _libc.memcmp
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:
@@ -88,7 +97,9 @@ class Copier:
             if start_event is not None:
                 self.stream.wait_event(start_event)
 
-    def copy(self, i: int, leaf: int, src_offset: int, pool_offset: int, length: int) -> None:
+    def copy(self, i: int, leaf: int, src_offset: int, pool_offset: int, length: int, *, compare: bool = False) -> bool:
+        """Copy chunk i into the pool. With `compare`, a CPU chunk whose bytes the pool already holds
+        at `pool_offset` is left alone: returns True then (the bytes are the same), else False."""
         src = self.sources[leaf]
         if src.is_cuda:
             with torch.cuda.stream(self.stream):
@@ -97,7 +108,11 @@ class Copier:
                 event.record(self.stream)
             self.events[i] = event
         else:
-            ctypes.memmove(self.pool.address + pool_offset, src.data_ptr() + src_offset, length)
+            dst, from_ = self.pool.address + pool_offset, src.data_ptr() + src_offset
+            if compare and _memcmp(dst, from_, length) == 0:
+                return True
+            ctypes.memmove(dst, from_, length)
+        return False
 
     def ready(self, i: int) -> None:
         event = self.events.pop(i, None)

@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import catalog, layout
+from . import catalog, gc, layout
 from .coordinator import LocalCoordinator
 from .errors import CheckpointConfigError, CheckpointError
-from .manifest import Manifest
+from .manifest import Manifest, encode_manifest, manifest_digest
 from .storage import FsspecStorage, LocalStorage
 from .tiercommit import LocalTierCommitter, StoreTierCommitter, TierCommitter, agree_resume
 
@@ -53,7 +53,8 @@ class UploadJob:
     t_done: float = 0.0
     transfer_s: float = 0.0  # this rank's own data transfer
     bytes_uploaded: int = 0
-    bytes_present: int = 0  # already on the remote tier (a resumed upload)
+    bytes_present: int = 0  # already on the remote tier (earlier steps' files, or a resumed upload's)
+    pin: str | None = None  # this rank's pin on the remote tier while the upload runs (gc.py)
     error: BaseException | None = None
     error_reported: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -87,6 +88,7 @@ class Uploader:
         self._pending: list[UploadJob] = []  # queued or running, in order
         self._seq = 0
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
+        self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
         self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
         self._thread.start()
 
@@ -135,8 +137,10 @@ class Uploader:
                 error = exc
             self.committer.commit(job, error, job.transfer_s)
             self.saw_remote(added={job.step})
+            self._base = (job.step, manifest_digest(encode_manifest(job.manifest)), frozenset(f.path for f in job.manifest.files))
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
+        gc.remove_pin(self.remote, job.pin)
         job.t_done = time.perf_counter()
         if job.error is None and self.rank == 0:
             self._retain(job.step)
@@ -148,13 +152,19 @@ class Uploader:
             job.done.set()
 
     def _upload_own(self, job: UploadJob) -> None:
+        """Send this rank's files of the step. Files of earlier steps (an incremental save's) that
+        the newest remote step lists are there already: the pin, then the check that the step is
+        still committed, keep a concurrent gc from removing them (gc.py)."""
         assert job.manifest is not None
         t0 = time.perf_counter()
         try:
-            for f in job.manifest.files:
-                if f.rank != self.rank or f.primary_bytes == 0:
-                    continue
-                if job.resumed and self.remote.exists_with_size(f.path, f.primary_bytes):
+            mine = [f for f in job.manifest.files if f.rank == self.rank and f.primary_bytes > 0]
+            own_dir = layout.step_dir(job.step) + "/"
+            earlier = [f.path for f in mine if not f.path.startswith(own_dir)]
+            job.pin = gc.write_pin(self.remote, job.step, self.rank, layout.new_token(), earlier)
+            there = self._protected_files() if earlier else frozenset()
+            for f in mine:
+                if f.path in there or (job.resumed and self.remote.exists_with_size(f.path, f.primary_bytes)):
                     job.bytes_present += f.primary_bytes
                     continue
                 path = Path(self.local.root, f.path)
@@ -172,17 +182,32 @@ class Uploader:
         finally:
             job.transfer_s = time.perf_counter() - t0
 
+    def _protected_files(self) -> frozenset[str]:
+        """The files of the newest step committed on the remote tier, if it still is (after our pin)."""
+        if self._base is None:
+            newest = max(self.remote_steps(), default=None)
+            if newest is None:
+                return frozenset()
+            try:
+                manifest = catalog.load_manifest(self.remote, newest)
+            except (CheckpointError, OSError):
+                return frozenset()
+            self._base = (newest, manifest_digest(encode_manifest(manifest)), frozenset(f.path for f in manifest.files))
+        step, digest, files = self._base
+        return files if gc.still_committed(self.remote, step, digest) else frozenset()
+
     def _retain(self, step: int) -> None:
-        """Rank 0 after a remote commit: keep_remote, and incomplete remote steps older than this one."""
+        """Rank 0 after a remote commit: keep_remote, and what no remote step or upload in flight references."""
         try:
-            listing = catalog.list_steps(self.remote)
-            pending = self.pending_steps()
-            for old in listing.incomplete:
-                if old < step and old not in pending:
-                    log.info("checkpointing: removing incomplete step %d (an upload that did not commit) from %s", old, self.remote.url)
-                    self.remote.delete(layout.step_dir(old))
+            doomed: list[int] = []
             if self.keep_remote is not None:
-                self.saw_remote(removed=catalog.apply_retention(self.remote, self.keep_remote, protect=step))
+                from .retention import steps_to_delete
+
+                doomed = steps_to_delete(catalog.list_steps(self.remote).committed, self.keep_remote, protect=step)
+            result = gc.collect(self.remote, retire=doomed, protect=self.pending_steps(), scan_committed=False)
+            self.saw_remote(removed=result.retired)
+            for p in result.problems:
+                log.warning("checkpointing: retention on the remote tier %s kept every data file: %s", self.remote.url, p)
         except Exception as exc:  # noqa: BLE001 - retried after the next upload; never stop the thread
             log.warning("checkpointing: retention on the remote tier after step %d failed: %s", step, exc)
 
@@ -205,8 +230,14 @@ def start_uploader(
     uploader = Uploader(local, remote, committer, rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish)
     uploader.saw_remote(added=set(listing.committed))
     mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
+    agreed = agree_resume(coord, sorted(mine))
+    if coord.rank == 0:  # one job per prefix: a pin no upload of ours will remove is a crashed upload's
+        try:
+            gc.collect(remote, protect=set(agreed), pin_ttl_s=0, scan_committed=False)
+        except OSError as exc:
+            log.warning("checkpointing: could not tidy the remote tier %s: %s", remote.url, exc)
     resumed = []
-    for step in agree_resume(coord, sorted(mine)):
+    for step in agreed:
         log.info("checkpointing: step %d is committed locally but not on %s: resuming its upload", step, remote.url)
         job = UploadJob(step, manifest=mine[step], t_local=time.perf_counter())
         uploader.submit(job)

@@ -1,8 +1,9 @@
 """One save, start to commit, as run on the background I/O thread.
 
-Stage (copy into the pool) -> digest each chunk -> tell local-tier peers which replicated tensors
-this rank writes -> stream the pool to the pack file in large aligned writes -> write what no peer
-wrote -> fsync -> report (a RankPart) for the coordinator to merge and commit. The training thread
+Stage (copy into the pool; an incremental save skips chunks whose bytes did not change) -> digest
+each chunk -> pin the step (gc.py) -> tell local-tier peers which replicated tensors this rank
+writes -> write the changed chunks in large aligned writes -> write what no peer wrote -> fsync ->
+report (a RankPart) for the coordinator to merge and commit. The training thread
 waits only for the chunks it must (eager ones inside save(), the rest at the guard before
 optimizer.step()).
 """
@@ -10,16 +11,18 @@ optimizer.step()).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Protocol
 
-from . import layout
+from . import gc, layout
 from .assign import OTHER, PRIMARY, TIER
 from .dtypes import dtype_name
-from .manifest import chunk_digest
+from .manifest import ChunkRef, chunk_digest
 from .merge import PartLeaf, RankPart, leaf_digest
-from .plan import PackPlan
+from .plan import PackPlan, write_spans
+from .reuse import ReuseBase, choose_borrowed
 from .staging import Copier, StagingPool
 from .storage import LocalStorage
 from .tree import FlatState
@@ -54,6 +57,13 @@ class SaveJob:
     seq: int = 0  # this save's number among the manager's saves: the same on every rank
     exchanged: bool = False  # this rank told its peers what it writes
     manifest: Any = None  # the committed Manifest
+    base: ReuseBase | None = None  # the previous save's chunks this one may take instead of writing (incremental)
+    pin: str | None = None  # this rank's pin while the save is in flight (gc.py)
+    digests: list[str] = dataclasses.field(default_factory=list)  # per placement, once written
+    refs: list[ChunkRef | None] = dataclasses.field(default_factory=list)  # per placement: where this save stores it
+    bytes_reused: int = 0  # taken from earlier steps instead of written
+    chunks_reused: int = 0
+    chunks_total: int = 0
 
     @property
     def stall_s(self) -> float:
@@ -73,72 +83,114 @@ class Exchange(Protocol):
 
 
 def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_block: int, rank: int, exchange: Exchange) -> RankPart:
-    """Stage and write this rank's part of `job`; returns its report. Removes the partial pack on failure."""
+    """Stage and write this rank's part of `job`; returns its report. Removes the partial pack on failure.
+
+    Before the pack file exists the rank pins the step (gc.py): a concurrent `gc` then leaves the
+    step's directory and every file the save takes chunks from alone.
+    """
     plan = job.plan
     pack_path = layout.pack_name(job.step, rank, job.token)
     storage.makedirs(layout.step_dir(job.step))
-    stream = storage.open_stream(pack_path)
+    # on this thread, so a first (or grown) allocation overlaps the training step
+    pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
+    base = job.base if job.base is not None and job.base.usable(plan, pool.allocations) else None
+    pack = _PackWriter(job, pool, write_block, base)
+    leaves = job.flat.leaves
+    ring = plan.pool_bytes < plan.pack_bytes  # a staging budget: staging writes the pack as it goes
     try:
-        # on this thread, so a first (or grown) allocation overlaps the training step
-        pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
-        pack = _PackWriter(job, pool, stream, write_block)
+        if ring:
+            job.pin = gc.write_pin(storage, job.step, rank, job.token, [])
+            pack.open(storage.open_stream(pack_path))
         pack.stage()
         pack.digest_upto(plan.pack_bytes)
-        leaves = job.flat.leaves
-        by_leaf = pack.chunks_by_leaf()
-        digests = [leaf_digest(dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape), [c[2] for c in by_leaf[i]]) for i, leaf in enumerate(leaves)]
+        if not ring:
+            job.pin = gc.write_pin(storage, job.step, rank, job.token, sorted(base.files) if base else [])
+            if base is not None and not gc.still_committed(storage, base.step, base.manifest_digest):
+                pack.borrowable = False  # the step was deleted meanwhile: its chunks may be gone
+            pack.open(storage.open_stream(pack_path))
+        by_leaf = pack.placements_by_leaf()
+        digests = [leaf_digest(dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape), [pack.digests[i] for i in by_leaf[n]])
+                   for n, leaf in enumerate(leaves)]
         idents = [(leaf.key, leaf.layout.offsets if leaf.layout else None, digests[i]) for i, leaf in enumerate(leaves)]
         exchange.share_written(job, [idents[i] for i in range(len(leaves)) if job.regions[i] in (PRIMARY, TIER)])
-        pack.write_upto(plan.region_ends[TIER] if len(plan.region_ends) > TIER else plan.pack_bytes)
-        written = [job.regions[i] != OTHER or not by_leaf[i] for i in range(len(leaves))]
-        end = pack.written_through
-        if not all(written):
-            peers = exchange.peer_written(job)
-            for i in range(len(leaves)):
-                if not written[i] and idents[i] not in peers:
-                    written[i] = True
-                    end = max(end, max(o + n for o, n, _ in by_leaf[i]))
-        pack.write_upto(end, final=True)
-        stream.close()
+        if ring:
+            pack.write_upto(plan.pack_bytes, final=True)
+            stored = [True] * len(leaves)
+        else:
+            first = [job.regions[n] != OTHER or not by_leaf[n] for n in range(len(leaves))]
+            pack.write_chunks([i for n in range(len(leaves)) if first[n] for i in by_leaf[n]])
+            stored = list(first)
+            if not all(first):
+                peers = exchange.peer_written(job)
+                stored = [s or idents[n] not in peers for n, s in enumerate(first)]
+            pack.write_chunks([i for n in range(len(leaves)) if stored[n] and not first[n] for i in by_leaf[n]])
+        pack.close()
+        if pack.file_bytes == 0:  # every chunk was taken from earlier steps (or a peer's): no file
+            storage.delete(pack_path)
     except BaseException:
         job.release_waiters()
-        stream.abort()
+        pack.abort()
         raise
-    job.bytes_written = end
+    job.bytes_written = pack.file_bytes
     job.t_written = time.perf_counter()
+    job.digests, job.refs = pack.digests, [pack.ref(i, pack_path) for i in range(len(plan.placements))]
+    job.bytes_reused = sum(plan.placements[i].length for i in pack.borrowed)
+    job.chunks_reused, job.chunks_total = len(pack.borrowed), len(plan.placements)
+    borrowed_files = tuple(sorted({job.refs[i].file for i in pack.borrowed}))  # type: ignore[union-attr]
     part_leaves = tuple(
         PartLeaf(
             leaf.key, dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
             leaf.layout.global_shape if leaf.layout else None, leaf.layout.offsets if leaf.layout else None,
-            digests[i], job.regions[i], tuple(by_leaf[i]) if written[i] else None,
+            digests[n], job.regions[n],
+            tuple((r.file, r.offset, r.length, r.digest) for r in (job.refs[i] for i in by_leaf[n]) if r is not None) if stored[n] else None,
         )
-        for i, leaf in enumerate(leaves)
+        for n, leaf in enumerate(leaves)
     )
-    return RankPart(rank, pack_path, end, job.flat.tree, part_leaves)
+    borrowed = tuple(base.files[f] for f in borrowed_files) if base is not None else ()
+    return RankPart(rank, pack_path, pack.file_bytes, job.flat.tree, part_leaves, borrowed)
 
 
 class _PackWriter:
-    """Copies a plan's chunks into the pool, digests them, and streams a prefix of the pack out.
+    """Copies a plan's chunks into the pool, digests them, and writes the pack file.
 
-    The pack file is the pool's image. With a ring (a staging budget) staging must write out what
-    it staged before reusing room; without one, staging finishes first and the writer then writes
-    as much of the pack as this rank owes.
+    Without a staging budget the pool holds the whole pack image: staging finishes first (comparing
+    each chunk with the previous save's bytes when there is a reuse base), then the chunks this rank
+    stores are written in page-aligned spans of the pool, and those it takes from the base are not
+    written at all. With a ring (a budget) staging must write out what it staged before reusing
+    room: the pack is then the image itself, written front to back, with no reuse.
     """
 
-    def __init__(self, job: SaveJob, pool: StagingPool, stream: Any, write_block: int) -> None:
+    def __init__(self, job: SaveJob, pool: StagingPool, write_block: int, base: ReuseBase | None) -> None:
         self.job = job
         self.plan = job.plan
         self.pool = pool
-        self.stream = stream
+        self.base = base
+        self.borrowable = base is not None
+        self.stream: Any = None
         self.write_block = write_block
         self.copier = Copier(pool, [leaf.tensor for leaf in job.flat.leaves], job.start_event)
-        self.digests = [""] * len(self.plan.placements)
+        n = len(self.plan.placements)
+        self.digests = [""] * n
+        self.same = [False] * n  # the pool already held these bytes (the base's), so they were not copied
+        self.offsets: list[int | None] = [None] * n  # where each written chunk is in the file
+        self.borrowed: list[int] = []  # placements taken from the base instead of written
         self.digested = 0  # placements [0, digested) have digests
-        self.written = 0  # pack bytes handed to the stream
-        self.written_through = 0  # pack offset up to which this rank's bytes are (or will be, at final) written
+        self.written = 0  # ring mode: pack bytes handed to the stream
+        self.file_bytes = 0  # bytes in the pack file
+
+    def open(self, stream: Any) -> None:
+        self.stream = stream
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def abort(self) -> None:
+        if self.stream is not None:
+            self.stream.abort()
 
     def stage(self) -> None:
         job, plan, ring = self.job, self.plan, self.plan.pool_bytes
+        compare = self.base is not None
         if plan.eager_placements == 0:
             job.eager_staged.set()
         for n, i in enumerate(plan.stage_order):
@@ -149,7 +201,7 @@ class _PackWriter:
                 self.write_upto(p.pack_offset)
                 if self.written == before:
                     raise RuntimeError(f"staging ring of {ring} bytes cannot hold chunk {p} (plan invariant broken)")
-            self.copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length)
+            self.same[i] = self.copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length, compare=compare)
             if n + 1 == plan.eager_placements:
                 job.eager_event = self.copier.last_event()
                 job.eager_staged.set()
@@ -158,30 +210,78 @@ class _PackWriter:
         job.staged.set()
 
     def digest_upto(self, upto: int) -> None:
-        placements, ring = self.plan.placements, self.plan.pool_bytes
+        placements, ring, base = self.plan.placements, self.plan.pool_bytes, self.base
         i = self.digested
         while i < len(placements) and placements[i].pack_offset + placements[i].length <= upto:
             p = placements[i]
-            self.copier.ready(i)
-            start = p.pack_offset % ring
-            self.digests[i] = chunk_digest(self.pool.view[start : start + p.length])
+            if self.same[i]:
+                assert base is not None
+                self.digests[i] = base.digests[i]
+            else:
+                self.copier.ready(i)
+                start = p.pack_offset % ring
+                self.digests[i] = chunk_digest(self.pool.view[start : start + p.length])
+                # a CUDA chunk reaches host memory only through the copy: compared by its digest
+                self.same[i] = base is not None and self.copier.sources[p.leaf].is_cuda and self.digests[i] == base.digests[i]
             i += 1
         self.digested = i
 
     def write_upto(self, upto: int, final: bool = False) -> None:
-        """Hand pack bytes [written, upto) to the stream: whole aligned blocks, a short tail only when final."""
+        """Ring mode: hand pack bytes [written, upto) to the stream: whole aligned blocks, a short tail only when final."""
         ring = self.plan.pool_bytes
-        self.written_through = max(self.written_through, upto)
         end = upto if final else upto // self.stream.alignment * self.stream.alignment
         while self.written < end:
             start = self.written % ring
             n = min(end - self.written, ring - start, self.write_block)
             self.stream.write(self.pool.view[start : start + n])
             self.written += n
+        self.file_bytes = self.written
+        if final:
+            for i, p in enumerate(self.plan.placements):
+                self.offsets[i] = p.pack_offset
 
-    def chunks_by_leaf(self) -> list[list[tuple[int, int, str]]]:
-        """(pack offset, length, digest) of each leaf's chunks, in the leaf's byte order."""
-        out: list[list[tuple[int, int, str]]] = [[] for _ in self.job.flat.leaves]
-        for p, d in sorted(zip(self.plan.placements, self.digests), key=lambda pd: (pd[0].leaf, pd[0].src_offset)):
-            out[p.leaf].append((p.pack_offset, p.length, d))
+    def write_chunks(self, chosen: list[int]) -> None:
+        """Store placements `chosen`: take each from the base where its bytes are the same and
+        reuse.choose_borrowed allows it, write the others (in pack order, page-aligned spans)."""
+        placements = self.plan.placements
+        if self.base is not None and self.borrowable:
+            wanted = [False] * len(placements)
+            for i in chosen:
+                wanted[i] = True
+            take = choose_borrowed(self.base, self.same, wanted)
+            self.borrowed.extend(i for i in chosen if take[i])
+            chosen = [i for i in chosen if not take[i]]
+        chosen.sort(key=lambda i: placements[i].pack_offset)
+        k = 0
+        for start, end in write_spans([placements[i] for i in chosen], align=self.stream.alignment):
+            out = self.file_bytes
+            while k < len(chosen) and placements[chosen[k]].pack_offset < end:
+                self.offsets[chosen[k]] = out + placements[chosen[k]].pack_offset - start
+                k += 1
+            pos = start
+            while pos < end:
+                n = min(end - pos, self.write_block)
+                self.stream.write(self.pool.view[pos : pos + n])
+                pos += n
+            self.file_bytes += end - start
+
+    def ref(self, i: int, pack_path: str) -> ChunkRef | None:
+        """Where placement i is stored by this save (None: a peer stores it)."""
+        p = self.plan.placements[i]
+        if self.offsets[i] is not None:
+            return ChunkRef(pack_path, self.offsets[i], p.length, self.digests[i])  # type: ignore[arg-type]
+        if i in self._borrowed_set:
+            assert self.base is not None
+            return self.base.refs[i]
+        return None
+
+    @functools.cached_property
+    def _borrowed_set(self) -> set[int]:
+        return set(self.borrowed)
+
+    def placements_by_leaf(self) -> list[list[int]]:
+        """Each leaf's placement indices, in the leaf's byte order."""
+        out: list[list[int]] = [[] for _ in self.job.flat.leaves]
+        for i in sorted(range(len(self.plan.placements)), key=lambda i: (self.plan.placements[i].leaf, self.plan.placements[i].src_offset)):
+            out[self.plan.placements[i].leaf].append(i)
         return out

@@ -3,6 +3,8 @@ ranks' reports into one manifest (merge.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -54,9 +56,13 @@ def _leaf(key, shape, digest, chunks, *, offsets=None, global_shape=None, region
     return PartLeaf(key, "float32", shape, global_shape, offsets, digest, region, chunks)
 
 
-def _part(rank, leaves, tree=None):
+def _part(rank, leaves, tree=None, borrowed=()):
+    """A rank's report; chunks given as (offset, length, digest) are in its own new pack file."""
     tree = tree or {"dict": [[leaf.key, {"tensor": i}] for i, leaf in enumerate(leaves)]}
-    return RankPart(rank, f"step-0000000001/r{rank:05d}.aaaaaaaaaaaa.pack", sum(c[1] for l in leaves for c in (l.chunks or ())), tree, tuple(leaves))
+    file = f"step-0000000001/r{rank:05d}.aaaaaaaaaaaa.pack"
+    leaves = [dataclasses.replace(l, chunks=None if l.chunks is None else tuple(c if len(c) == 4 else (file, *c) for c in l.chunks)) for l in leaves]
+    own = sum(c[2] for l in leaves for c in (l.chunks or ()) if c[0] == file)
+    return RankPart(rank, file, own, tree, tuple(leaves), tuple(borrowed))
 
 
 D = "xxh3-128:" + "0" * 32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -99,7 +100,7 @@ def golden_manifest_v1() -> Manifest:
     return Manifest.single(7, tree, tensors)
 
 
-def golden_manifest() -> Manifest:
+def golden_manifest_v2() -> Manifest:
     """Two ranks: a sharded tensor (one shard per rank), a replicated one (written by rank 0, with a
     replica on rank 1's tier), per-rank values (two trees) and the file table."""
     v1 = golden_manifest_v1()
@@ -116,6 +117,22 @@ def golden_manifest() -> Manifest:
     return Manifest(step=7, trees=(v1.tree, tree1), tensors=tensors, world_size=2, rank_trees=(0, 1), files=files)
 
 
+EARLIER = "step-0000000005/r00000.fedcba987654.pack"
+
+
+def golden_manifest() -> Manifest:
+    """Version 3: the version 2 manifest, saved incrementally: one tensor's chunk is taken from a
+    file step 5 wrote (listed with the entry step 5's manifest gave it)."""
+    v2 = golden_manifest_v2()
+    tensors = v2.tensors + (TensorEntry("frozen", "float32", (4,), (ShardEntry((0,), (4,), (_chunk(4096, 16, 8, EARLIER),)),)),)
+    tree = json.loads(json.dumps(v2.trees[0]))
+    tree["dict"].append(["frozen", {"tensor": len(v2.tensors)}])
+    tree1 = json.loads(json.dumps(v2.trees[1]))
+    tree1["dict"].append(["frozen", {"tensor": len(v2.tensors)}])
+    files = v2.files + (FileEntry(EARLIER, 0, "tier-a", 8192, 8192),)
+    return dataclasses.replace(v2, trees=(tree, tree1), tensors=tensors, files=files)
+
+
 def golden_commit() -> CommitMarker:
     data = encode_manifest(golden_manifest())
     return CommitMarker(7, layout.manifest_name(7, TOKEN), manifest_digest(data))
@@ -123,8 +140,8 @@ def golden_commit() -> CommitMarker:
 
 def _write_golden() -> None:  # run once by hand: UPDATE_GOLDEN=1 pytest tests/test_manifest.py
     GOLDEN.mkdir(exist_ok=True)
-    (GOLDEN / "manifest_v2.json").write_bytes(encode_manifest(golden_manifest()))
-    (GOLDEN / "commit_v2.json").write_bytes(encode_commit(golden_commit()))
+    (GOLDEN / "manifest_v3.json").write_bytes(encode_manifest(golden_manifest()))
+    (GOLDEN / "commit_v3.json").write_bytes(encode_commit(golden_commit()))
 
 
 if os.environ.get("UPDATE_GOLDEN") == "1":
@@ -132,9 +149,18 @@ if os.environ.get("UPDATE_GOLDEN") == "1":
 
 
 def test_golden_manifest_bytes():
-    expected = (GOLDEN / "manifest_v2.json").read_bytes()
+    expected = (GOLDEN / "manifest_v3.json").read_bytes()
     assert encode_manifest(golden_manifest()) == expected
     assert decode_manifest(expected, WHERE) == golden_manifest()
+
+
+def test_version_2_manifests_still_read():
+    """Checkpoints written by format version 2 (no references into earlier steps) still decode."""
+    raw = (GOLDEN / "manifest_v2.json").read_bytes()
+    assert json.loads(raw)["format_version"] == 2
+    assert decode_manifest(raw, WHERE) == golden_manifest_v2()
+    commit = decode_commit((GOLDEN / "commit_v2.json").read_bytes(), WHERE)
+    assert commit.manifest_digest == manifest_digest(raw)
 
 
 def test_version_1_manifests_still_read():
@@ -149,25 +175,25 @@ def test_version_1_manifests_still_read():
 
 
 def test_golden_commit_bytes():
-    expected = (GOLDEN / "commit_v2.json").read_bytes()
+    expected = (GOLDEN / "commit_v3.json").read_bytes()
     assert encode_commit(golden_commit()) == expected
     assert decode_commit(expected, WHERE) == golden_commit()
     # the commit names the manifest by its sha256: the golden manifest bytes are what it commits to
-    assert golden_commit().manifest_digest == manifest_digest((GOLDEN / "manifest_v2.json").read_bytes())
+    assert golden_commit().manifest_digest == manifest_digest((GOLDEN / "manifest_v3.json").read_bytes())
 
 
 def test_golden_bytes_are_canonical():
-    for name in ("manifest_v2.json", "commit_v2.json"):
+    for name in ("manifest_v3.json", "commit_v3.json", "manifest_v2.json", "commit_v2.json"):
         raw = (GOLDEN / name).read_bytes()
         text = raw.decode("utf-8")  # UTF-8, not \u escapes
         obj = json.loads(text)
         assert raw == json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         assert not raw.endswith(b"\n")
         assert b": " not in raw and b", " not in raw.replace("ß→€ 😀".encode(), b"")
-    raw = (GOLDEN / "manifest_v2.json").read_bytes()
+    raw = (GOLDEN / "manifest_v3.json").read_bytes()
     assert "ünï/cødé".encode("utf-8") in raw and b"\\u" not in raw
     assert list(json.loads(raw)) == sorted(json.loads(raw))
-    assert json.loads(raw)["format_version"] == FORMAT_VERSION == 2
+    assert json.loads(raw)["format_version"] == FORMAT_VERSION == 3
     assert json.loads(raw)["chunk_digest"] == CHUNK_DIGEST
 
 
@@ -518,7 +544,7 @@ _DELETE = object()
 CHUNK0 = "tensors__0__shards__0__chunks__0"
 
 INVALID_MANIFESTS = {
-    "format_version 3": _manifest_with(format_version=3),
+    "format_version 4": _manifest_with(format_version=4),
     "format_version 0": _manifest_with(format_version=0),
     "format_version '1'": _manifest_with(format_version="1"),
     "format_version missing": _manifest_with(format_version=_DELETE),
@@ -560,7 +586,7 @@ INVALID_MANIFESTS = {
     "tree missing": _manifest_with(trees=_DELETE),
     "tree root a list node": _manifest_with(trees__0={"list": []}),
     "tree root stateful": _manifest_with(trees__0={"stateful": {"dict": []}, "class": "X"}),
-    "tree tensor index out of range": _manifest_with(trees__0={"dict": [["a", {"tensor": 5}]]}),
+    "tree tensor index out of range": _manifest_with(trees__0={"dict": [["a", {"tensor": 99}]]}),
     "tree tensor index negative": _manifest_with(trees__0={"dict": [["a", {"tensor": -1}]]}),
     "tree tensor index float": _manifest_with(trees__0={"dict": [["a", {"tensor": 0.0}]]}),
     "tree unknown node": _manifest_with(trees__0={"dict": [["a", {"pickle": "gASV"}]]}),
@@ -630,7 +656,7 @@ def _commit_with(**edits) -> bytes:
 
 
 INVALID_COMMITS = {
-    "format_version 3": _commit_with(format_version=3),
+    "format_version 4": _commit_with(format_version=4),
     "format_version missing": _commit_with(format_version=_DELETE),
     "step negative": _commit_with(step=-7),
     "step string": _commit_with(step="7"),
@@ -661,7 +687,7 @@ def test_unknown_dtype_message_lists_known_dtypes_and_where():
 
 
 def test_newer_format_version_message_says_upgrade():
-    err = _expect_manifest_error(decode_manifest, INVALID_MANIFESTS["format_version 3"])
+    err = _expect_manifest_error(decode_manifest, INVALID_MANIFESTS["format_version 4"])
     assert "upgrade" in str(err)
 
 

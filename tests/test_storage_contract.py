@@ -17,7 +17,7 @@ from typing import Callable
 
 import pytest
 
-from checkpointing import catalog, layout
+from checkpointing import catalog, gc, layout
 from checkpointing.errors import CheckpointCorruptError, CheckpointNotFoundError, ManifestError
 from checkpointing.manifest import ChunkRef, CommitMarker, Manifest, ShardEntry, TensorEntry, encode_commit, encode_manifest, manifest_digest
 from checkpointing.storage import FsspecStorage, LocalStorage, RetryPolicy, Storage
@@ -274,6 +274,22 @@ class TestContract:
         storage.delete("never/was/here")
         assert storage.get("keep") == b"k"
 
+    def test_remove_dir_removes_only_what_is_empty(self, storage):
+        """gc removes a step directory with remove_dir: never what a writer created in it meanwhile."""
+        storage.put("d/one", b"1")
+        storage.remove_dir("d")  # not empty: stays
+        assert storage.get("d/one") == b"1"
+        storage.delete("d/one")
+        storage.remove_dir("d")
+        assert "d" not in storage.list("")
+        storage.put("d/two", b"2")  # a writer can create it again
+        assert storage.list("d") == ["two"]
+        storage.put("stray", b"s")
+        storage.remove_dir("stray")  # a plain object of that name goes too
+        assert "stray" not in storage.list("")
+        storage.remove_dir("missing")  # missing: no-op
+        assert storage.list("") == ["d"]
+
     # ------------------------------------------------------------ streams
 
     @pytest.mark.parametrize("length", [0, 1, 4095, 4096, 4097, 3 * 4096 + 123])
@@ -409,14 +425,14 @@ class TestCatalog:
                 catalog.load_manifest(storage, step)
 
     def test_stray_file_named_like_a_step(self, storage):
-        """A file (not a directory) named step-NNNNNNNNNN is an incomplete step that delete_step can remove;
+        """A file (not a directory) named step-NNNNNNNNNN is an incomplete step that gc can remove;
         CheckpointManager.__init__ deletes incomplete steps, so anything else breaks opening the directory."""
         commit_step(storage, 1)
         storage.put(layout.step_dir(5), b"stray")
         assert catalog.list_steps(storage) == catalog.StepListing([1], [5])
         with pytest.raises(CheckpointNotFoundError):
             catalog.load_manifest(storage, 5)
-        catalog.delete_step(storage, 5)
+        gc.delete_step(storage, 5)
         assert catalog.list_steps(storage) == catalog.StepListing([1], [])
 
     def test_delete_step_removes_commit_first(self, storage):
@@ -428,22 +444,25 @@ class TestCatalog:
         assert listing.committed == [2] and listing.incomplete == [1]
         with pytest.raises(CheckpointNotFoundError):
             catalog.load_manifest(storage, 1)
-        catalog.delete_step(storage, 1)  # finishing the interrupted delete works
-        catalog.delete_step(storage, 2)
+        gc.delete_step(storage, 1)  # finishing the interrupted delete works
+        gc.delete_step(storage, 2)
         assert catalog.list_steps(storage) == catalog.StepListing([], [])
         assert storage.list("") == []
-        catalog.delete_step(storage, 7)  # deleting a step that is not there: no-op
+        gc.delete_step(storage, 7)  # deleting a step that is not there: no-op
 
     def test_delete_step_order_is_commit_then_manifest_then_data(self, storage, monkeypatch):
         commit_step(storage, 4)
         calls = []
         real = storage.delete
+        real_rmdir = storage.remove_dir
         monkeypatch.setattr(storage, "delete", lambda p: (calls.append(p), real(p))[1])
-        catalog.delete_step(storage, 4)
+        monkeypatch.setattr(storage, "remove_dir", lambda p: (calls.append(("rmdir", p)), real_rmdir(p))[1])
+        gc.delete_step(storage, 4)
         sdir = layout.step_dir(4)
         assert calls[0] == f"{sdir}/COMMIT"
         assert calls[1] == f"{sdir}/manifest.tok.json"
-        assert calls[-1] == sdir
+        assert all(c.endswith(".pack") for c in calls[2:-1]) and len(calls) > 3
+        assert calls[-1] == ("rmdir", sdir)
 
     def test_damaged_manifest_is_corrupt(self, storage):
         commit_step(storage, 8)
@@ -489,8 +508,8 @@ class TestCatalog:
     def test_apply_retention(self, storage):
         for step in (1, 2, 3, 4, 5):
             commit_step(storage, step)
-        assert catalog.apply_retention(storage, None) == []
-        assert catalog.apply_retention(storage, 2, protect=1) == [2, 3]
+        assert gc.apply_retention(storage, None) == []
+        assert gc.apply_retention(storage, 2, protect=1) == [2, 3]
         assert catalog.list_steps(storage).committed == [1, 4, 5]
-        assert catalog.apply_retention(storage, 1) == [1, 4]
+        assert gc.apply_retention(storage, 1) == [1, 4]
         assert catalog.list_steps(storage) == catalog.StepListing([5], [])

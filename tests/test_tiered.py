@@ -25,7 +25,7 @@ from s3_server import SECRET, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 
 import _tiered
 from _dist import run_ranks
-from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointUploadError, catalog, layout
+from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointUploadError, catalog, gc, layout
 from checkpointing.storage import RetryPolicy, open_storage
 from checkpointing.verify import verify_step
 
@@ -348,8 +348,8 @@ def test_the_conditional_commit_refuses_a_second_writer(tmp_path, s3_bucket):
     with manager(tmp_path / "d", s3_bucket) as mgr:
         assert mgr.restore(target) == 6 and same(target, {**state(winner), "step": winner})
         assert mgr.restore(target, step=5) == 5 and same(target, state(5))  # a's, not b's
-    garbage, problems = catalog.find_garbage(remote_of(s3_bucket))
-    assert not problems and len(garbage) == 4  # the loser's pack and manifest, for steps 5 and 6
+    result = gc.collect(remote_of(s3_bucket), dry_run=True)
+    assert not result.problems and len(result.garbage) == 4, result  # the loser's pack and manifest, for steps 5 and 6
 
 
 # ----------------------------------------------------------------------------- several ranks

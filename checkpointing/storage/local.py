@@ -131,6 +131,17 @@ class LocalStorage:
         self._sync_dir(target.parent)
 
 
+    def remove_dir(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            os.rmdir(target)  # fails on a directory something was created in meanwhile: never recursive
+        except NotADirectoryError:
+            target.unlink(missing_ok=True)
+        except OSError:  # missing, or not empty
+            return
+        self._sync_dir(target.parent)
+
+
 class _LocalStream:
     def __init__(self, path: Path, *, direct: bool, fsync: bool) -> None:
         self.path = path

@@ -346,6 +346,29 @@ class FsspecStorage:
             return
         self._sync_parent(full)
 
+    def remove_dir(self, path: str) -> None:
+        if self.is_s3:  # no directories: only a stray object of exactly that name
+            if path and not self._s3_names(path, delimiter=False):
+                try:
+                    self._call("delete", path, lambda: self._s3("delete_object", Key=self._key(path)))
+                except FileNotFoundError:
+                    pass
+            return
+        full = self._full(path)
+        try:
+            info = self.fs.info(full)
+        except (FileNotFoundError, OSError):
+            return
+        try:
+            if info.get("type") == "directory":
+                if not self.fs.ls(full):
+                    self.fs.rmdir(full)
+            else:
+                self.fs.rm(full)
+        except OSError:  # not empty (any more), or gone
+            return
+        self._sync_parent(full)
+
     # ------------------------------------------------------------ whole local files (the upload pipeline)
 
     def upload_file(self, local_path: str | os.PathLike, dest: str, length: int | None = None) -> None:
