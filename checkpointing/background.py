@@ -83,7 +83,7 @@ class BackgroundSaves:
             job.t_committed = time.perf_counter()
             if self.options.incremental and job.refs and job.plan.pool_bytes >= job.plan.pack_bytes:
                 self._base = base_after_save(job.plan, self._pool.allocations, job.manifest,
-                                             manifest_digest(encode_manifest(job.manifest)), job.digests, job.refs)
+                                             manifest_digest(encode_manifest(job.manifest)), job.digests, job.refs, job.keys)
         except BaseException as exc:  # reported at the next save()/wait()
             if not job.error_reported:
                 job.error = exc

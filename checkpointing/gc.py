@@ -43,7 +43,9 @@ def pin_name(step: int, rank: int, token: str) -> str:
 def write_pin(storage: Storage, step: int, rank: int, token: str, files: Iterable[str]) -> str:
     """Pin `step` for a save in flight that may take chunks from `files`; returns the pin's path."""
     path = pin_name(step, rank, token)
-    storage.put(path, canonical_json({"format_version": FORMAT_VERSION, "step": step, "rank": rank, "files": sorted(files)}))
+    # not fsynced: a pin protects files from collectors running now; after a power cut its save is dead anyway
+    storage.put(path, canonical_json({"format_version": FORMAT_VERSION, "step": step, "rank": rank, "files": sorted(files)}),
+                durable=False)
     return path
 
 

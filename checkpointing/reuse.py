@@ -5,8 +5,11 @@ it saved (the pool is the pack's image, reused from save to save), and its manif
 each of those chunks is stored. The next save with the same pack plan compares each chunk's live
 bytes with the pool before copying (staging.Copier.stage_chunk): equal bytes are neither copied
 nor written, and the new manifest refers to the stored chunk; different bytes are copied and
-written as usual. The test is byte-for-byte (memcmp), so it is exact; CUDA tensors, whose live
-bytes are not in host memory, are compared by their 128-bit chunk digest after the copy instead.
+written as usual. The test is byte-for-byte (memcmp), so it is exact. Where the pool cannot hold
+the previous bytes at the same place (CUDA tensors, whose live bytes reach host memory only through
+the copy; a plan that changed, e.g. once the ranks learn which tensors differ between them; a
+reallocated pool) a chunk is matched to the previous save's chunk of the same tensor key, byte
+offset and length, and compared by its 128-bit digest after the copy.
 
 A chunk is referenced, never copied from file to file: a reference always points at the file that
 holds the bytes, so there are no chains to follow and a restore reads only retained files. A file
@@ -38,13 +41,28 @@ class ReuseBase:
     digests: tuple[str, ...]  # per placement: the digest of the bytes the pool holds there
     refs: tuple[ChunkRef | None, ...]  # per placement: where the committed step stores them (None: nowhere this rank can use)
     files: Mapping[str, FileEntry]  # the file-table entry of every file `refs` names
+    keys: tuple[tuple[str, int, int], ...] = ()  # per placement: (tensor key, byte offset in it, length)
 
-    def usable(self, plan: PackPlan, pool_generation: int) -> bool:
-        return plan is self.plan and pool_generation == self.pool_generation
+    def against(self, plan: PackPlan, pool_generation: int, keys: list[tuple[str, int, int]]) -> "Match":
+        """The base seen from a save with `plan`: per placement of that plan, the previous digest
+        and stored chunk of the same bytes' position (None where there is none)."""
+        if plan is self.plan and pool_generation == self.pool_generation:
+            return Match(True, list(self.digests), list(self.refs))
+        index = {k: j for j, k in enumerate(self.keys)}
+        found = [index.get(k) for k in keys]
+        return Match(False, [None if j is None else self.digests[j] for j in found], [None if j is None else self.refs[j] for j in found])
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    exact: bool  # the pool holds the previous bytes where this plan stages them: compare bytes
+    digests: list[str | None]
+    refs: list[ChunkRef | None]
 
 
 def base_after_save(
-    plan: PackPlan, pool_generation: int, manifest: Manifest, manifest_digest: str, digests: list[str], refs: list[ChunkRef | None]
+    plan: PackPlan, pool_generation: int, manifest: Manifest, manifest_digest: str, digests: list[str], refs: list[ChunkRef | None],
+    keys: list[tuple[str, int, int]],
 ) -> ReuseBase:
     """The base for the next save, once `manifest` is committed. A reference into a file the
     manifest does not list is dropped: nothing keeps that file alive."""
@@ -52,19 +70,19 @@ def base_after_save(
     kept = tuple(r if r is not None and r.file in files else None for r in refs)
     used = {r.file for r in kept if r is not None}
     return ReuseBase(plan, pool_generation, manifest.step, manifest_digest, tuple(digests), kept,
-                     {p: f for p, f in files.items() if p in used})
+                     {p: f for p, f in files.items() if p in used}, tuple(keys))
 
 
-def choose_borrowed(base: ReuseBase, same: list[bool], wanted: list[bool]) -> list[bool]:
-    """Per placement: take the stored chunk (True) or write it. `same`: the bytes equal the base's;
-    `wanted`: this rank stores the chunk in this save. Files whose usable chunks fall below
-    REWRITE_BELOW of their size are rewritten instead of kept alive."""
-    candidates = [w and s and base.refs[i] is not None for i, (s, w) in enumerate(zip(same, wanted))]
+def choose_borrowed(refs: list[ChunkRef | None], files: Mapping[str, FileEntry], same: list[bool], wanted: list[bool]) -> list[bool]:
+    """Per placement: take the stored chunk `refs[i]` (True) or write it. `same`: the bytes equal
+    the stored ones; `wanted`: this rank stores the chunk in this save. Files whose usable chunks
+    fall below REWRITE_BELOW of their size are rewritten instead of kept alive."""
+    candidates = [w and s and refs[i] is not None for i, (s, w) in enumerate(zip(same, wanted))]
     live: dict[str, int] = {}
     for i, c in enumerate(candidates):
         if c:
-            ref = base.refs[i]
+            ref = refs[i]
             assert ref is not None
             live[ref.file] = live.get(ref.file, 0) + ref.length
-    keep = {f for f, n in live.items() if n >= REWRITE_BELOW * base.files[f].nbytes}
-    return [c and base.refs[i].file in keep for i, c in enumerate(candidates)]  # type: ignore[union-attr]
+    keep = {f for f, n in live.items() if n >= REWRITE_BELOW * files[f].nbytes}
+    return [c and refs[i].file in keep for i, c in enumerate(candidates)]  # type: ignore[union-attr]

@@ -22,7 +22,7 @@ from .dtypes import dtype_name
 from .manifest import ChunkRef, chunk_digest
 from .merge import PartLeaf, RankPart, leaf_digest
 from .plan import PackPlan, write_spans
-from .reuse import ReuseBase, choose_borrowed
+from .reuse import Match, ReuseBase, choose_borrowed
 from .staging import Copier, StagingPool
 from .storage import LocalStorage
 from .tree import FlatState
@@ -64,6 +64,7 @@ class SaveJob:
     bytes_reused: int = 0  # taken from earlier steps instead of written
     chunks_reused: int = 0
     chunks_total: int = 0
+    keys: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # per placement (reuse.ReuseBase.keys)
 
     @property
     def stall_s(self) -> float:
@@ -93,9 +94,10 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     storage.makedirs(layout.step_dir(job.step))
     # on this thread, so a first (or grown) allocation overlaps the training step
     pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
-    base = job.base if job.base is not None and job.base.usable(plan, pool.allocations) else None
-    pack = _PackWriter(job, pool, write_block, base)
     leaves = job.flat.leaves
+    match = job.base.against(plan, pool.allocations, placement_keys(job)) if job.base is not None else None
+    pack = _PackWriter(job, pool, write_block, match)
+    base = job.base
     ring = plan.pool_bytes < plan.pack_bytes  # a staging budget: staging writes the pack as it goes
     try:
         if ring:
@@ -147,7 +149,14 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
         for n, leaf in enumerate(leaves)
     )
     borrowed = tuple(base.files[f] for f in borrowed_files) if base is not None else ()
+    job.keys = placement_keys(job)
     return RankPart(rank, pack_path, pack.file_bytes, job.flat.tree, part_leaves, borrowed)
+
+
+def placement_keys(job: SaveJob) -> list[tuple[str, int, int]]:
+    """Per placement: (tensor key, byte offset in the tensor, length): a chunk's place whatever the plan."""
+    leaves = job.flat.leaves
+    return [(leaves[p.leaf].key, p.src_offset, p.length) for p in job.plan.placements]
 
 
 class _PackWriter:
@@ -160,12 +169,12 @@ class _PackWriter:
     room: the pack is then the image itself, written front to back, with no reuse.
     """
 
-    def __init__(self, job: SaveJob, pool: StagingPool, write_block: int, base: ReuseBase | None) -> None:
+    def __init__(self, job: SaveJob, pool: StagingPool, write_block: int, base: Match | None) -> None:
         self.job = job
         self.plan = job.plan
         self.pool = pool
         self.base = base
-        self.borrowable = base is not None
+        self.borrowable = base is not None and job.base is not None
         self.stream: Any = None
         self.write_block = write_block
         self.copier = Copier(pool, [leaf.tensor for leaf in job.flat.leaves], job.start_event)
@@ -190,7 +199,7 @@ class _PackWriter:
 
     def stage(self) -> None:
         job, plan, ring = self.job, self.plan, self.plan.pool_bytes
-        compare = self.base is not None
+        compare = self.base is not None and self.base.exact
         if plan.eager_placements == 0:
             job.eager_staged.set()
         for n, i in enumerate(plan.stage_order):
@@ -215,14 +224,15 @@ class _PackWriter:
         while i < len(placements) and placements[i].pack_offset + placements[i].length <= upto:
             p = placements[i]
             if self.same[i]:
-                assert base is not None
-                self.digests[i] = base.digests[i]
+                assert base is not None and base.digests[i] is not None
+                self.digests[i] = base.digests[i]  # type: ignore[assignment]
             else:
                 self.copier.ready(i)
                 start = p.pack_offset % ring
                 self.digests[i] = chunk_digest(self.pool.view[start : start + p.length])
-                # a CUDA chunk reaches host memory only through the copy: compared by its digest
-                self.same[i] = base is not None and self.copier.sources[p.leaf].is_cuda and self.digests[i] == base.digests[i]
+                # bytes the pool could not compare (CUDA, another plan): the same position's digest
+                self.same[i] = (base is not None and (not base.exact or self.copier.sources[p.leaf].is_cuda)
+                                and self.digests[i] == base.digests[i])
             i += 1
         self.digested = i
 
@@ -248,7 +258,8 @@ class _PackWriter:
             wanted = [False] * len(placements)
             for i in chosen:
                 wanted[i] = True
-            take = choose_borrowed(self.base, self.same, wanted)
+            assert self.job.base is not None
+            take = choose_borrowed(self.base.refs, self.job.base.files, self.same, wanted)
             self.borrowed.extend(i for i in chosen if take[i])
             chosen = [i for i in chosen if not take[i]]
         chosen.sort(key=lambda i: placements[i].pack_offset)

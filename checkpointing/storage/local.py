@@ -61,8 +61,9 @@ class LocalStorage:
         target.parent.mkdir(parents=True, exist_ok=True)
         return _LocalStream(target, direct=self.direct, fsync=self.fsync)
 
-    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+    def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
         target = self._abs(path)
+        sync = self.fsync and durable
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{target.name}.tmp-{new_token()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -70,7 +71,7 @@ class LocalStorage:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if self.fsync:
+            if sync:
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -83,7 +84,8 @@ class LocalStorage:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self._sync_dir(target.parent)
+        if sync:
+            self._sync_dir(target.parent)
 
     def get(self, path: str) -> bytes:
         with self._missing(path):

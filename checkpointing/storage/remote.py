@@ -185,7 +185,8 @@ class FsspecStorage:
             return S3Stream(self, path)
         return TempStream(self, path)
 
-    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+    def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
+        # durable=False changes nothing here: an object store's put is durable, file:// keeps its fsyncs
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         if self.is_s3:
             if exclusive:
