@@ -727,7 +727,7 @@ def parse_args(argv=None):
     p.add_argument("--emb-touch", type=int, default=32, help="embedding rows trained per step")
     p.add_argument("--emb-optim", choices=("sgd", "sparseadam"), default="sgd")
     p.add_argument("--chunk-sizes", default="256K,1M,4M,8M,16M", help="embedding sweep of chunk_bytes")
-    p.add_argument("--chunk-bytes", default="8M", help="chunk_bytes of the other scenarios (the library default)")
+    p.add_argument("--chunk-bytes", default=None, help="chunk_bytes of the other scenarios (default: the library's)")
     p.add_argument("--every", type=int, default=5, help="save every k training steps")
     p.add_argument("--saves", type=int, default=None, help="timed saves per phase (default 6; --quick 3)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per mode, alternating the order (default 2)")
@@ -755,7 +755,12 @@ def parse_args(argv=None):
     if q:
         P.every = min(P.every, 3)
     P.chunk_sizes = [parse_size(s) for s in P.chunk_sizes.split(",") if s.strip()]
-    P.chunk_bytes = parse_size(P.chunk_bytes)
+    if P.chunk_bytes is None:
+        from checkpointing.options import DEFAULT_CHUNK_BYTES
+
+        P.chunk_bytes = DEFAULT_CHUNK_BYTES
+    else:
+        P.chunk_bytes = parse_size(P.chunk_bytes)
     if not 0.0 < P.share < 0.5:
         p.error("--share must be in (0, 0.5)")
     return P

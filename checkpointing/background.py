@@ -31,6 +31,14 @@ from .writer import SaveJob, run_save
 log = logging.getLogger("checkpointing")
 
 
+def _committed_here(storage: LocalStorage, step: int) -> bool:
+    try:
+        catalog.read_commit(storage, step)
+        return True
+    except Exception:  # noqa: BLE001 - missing or unreadable: not committed
+        return False
+
+
 class BackgroundSaves:
     """The background half of CheckpointManager; the attributes below are set by its constructor."""
 
@@ -78,7 +86,8 @@ class BackgroundSaves:
             try:
                 job.manifest = coord.commit(job, part)
             except BaseException:
-                self.storage.delete(part.file)  # nothing will ever reference this pack
+                if not _committed_here(self.storage, job.step):  # e.g. a COMMIT linked, then an error: keep its data
+                    self.storage.delete(part.file)  # nothing will ever reference this pack
                 raise
             job.t_committed = time.perf_counter()
             if self.options.incremental and job.refs and job.plan.pool_bytes >= job.plan.pack_bytes:

@@ -10,11 +10,12 @@ garbage collection") in short:
   confirms its base step is still committed (else it takes nothing), and removes the pin once the
   step is committed (its manifest protects the files from then on) or has failed;
 - a collector (G1) removes the COMMIT of each step it retires, (G2) lists the files of every
-  uncommitted step directory, (G3) reads the pins, (G4) reads every committed manifest, and (G5)
-  deletes the files listed in G2 that no pin and no manifest names, in directories nobody pins.
+  uncommitted step directory, (G3) reads the pins, (G4) lists the committed steps again and reads
+  their manifests, and (G5) deletes the files listed in G2 that no pin and no manifest names, in
+  directories nobody pins and that did not commit meanwhile.
 
 Why it is safe: a file listed in G2 in a pinned directory was created after its pin (W1 before the
-file), so G3 sees the pin. A save whose pin G3 missed pinned after G3, so it confirmed its base
+file), so G3 sees the pin, or the writer committed before G3 and G4 sees the step. A save whose pin G3 missed pinned after G3, so it confirmed its base
 after G1: it either sees the base retired and takes nothing from it, or the base was not being
 retired and G4 finds it committed, with every file it references.
 """
@@ -134,6 +135,13 @@ def collect(
         a = age(path) if min_age_s > 0 else None
         return a is not None and a < min_age_s
 
+    def dead(pin: str) -> bool:
+        """A crashed writer's pin: older than pin_ttl_s (with pin_ttl_s <= 0, every pin)."""
+        if pin_ttl_s is None:
+            return False
+        a = age(pin) if pin_ttl_s > 0 else None
+        return pin_ttl_s <= 0 or (a is not None and a > pin_ttl_s)
+
     # G1: retire
     retire = sorted(set(retire))
     if not dry_run:
@@ -157,8 +165,7 @@ def collect(
         pins = [f"{sdir}/{n}" for n in storage.list(sdir) if n.startswith(PIN_PREFIX)]
         holds = s in protect
         for pin in pins:
-            a = age(pin)
-            if s not in protect and pin_ttl_s is not None and (pin_ttl_s <= 0 or (a is not None and a > pin_ttl_s)):
+            if s not in protect and dead(pin):
                 dead_pins.setdefault(s, []).append(pin)
                 continue
             holds = True
@@ -169,9 +176,10 @@ def collect(
                     problems.append(f"step {s}: {exc}")
         if holds:
             pinned.append(s)
-    # G4: committed manifests
+    # G4: committed manifests, listed again: a step that committed (and dropped its pin) since G2 is read here
+    now_committed = [s for s in catalog.list_steps(storage).committed if not (dry_run and s in retire)]
     own: dict[int, set[str]] = {}
-    for s in committed:
+    for s in now_committed:
         try:
             marker = catalog.read_commit(storage, s)
             manifest = catalog.load_manifest(storage, s)
@@ -181,6 +189,7 @@ def collect(
         files = {f.path for f in manifest.files} | manifest.data_files()
         live |= files
         own[s] = files | {layout.commit_name(s), marker.manifest}
+    committed = [s for s in committed if s in own]
     out.pinned, out.problems = pinned, problems
     if problems:  # a step we cannot read may reference anything: delete no data
         return out
@@ -195,7 +204,7 @@ def collect(
 
     # G5: delete what nothing needs
     for s in uncommitted:
-        if s in pinned:
+        if s in pinned or s in own:  # pinned, or committed since G2
             continue
         sdir = layout.step_dir(s)
         reason = f"step {s} retired" if s in retire else "incomplete step (no COMMIT)"
@@ -217,6 +226,8 @@ def collect(
         sdir = layout.step_dir(s)
         for n in storage.list(sdir):
             path = f"{sdir}/{n}"
+            if n.startswith(PIN_PREFIX) and not dead(path):
+                continue  # its writer committed and is about to remove it
             if path not in own[s] and path not in live and not young(path):
                 drop(path, "not referenced by the step's manifest")
     return out

@@ -46,7 +46,7 @@ from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .background import BackgroundSaves
 from .metrics import SaveStats
 from .loop import LoopHooks, StepScope  # noqa: F401 - StepScope is what mgr.step() returns
-from .options import ManagerOptions, SnapshotMode
+from .options import DEFAULT_CHUNK_BYTES, ManagerOptions, SnapshotMode
 from .plan import PackPlan, plan_pack
 from .preemption import Preemption
 from .choose import choose_step
@@ -126,7 +126,7 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         process_group: Any = None,
         snapshot: SnapshotMode = "async",
         staging_budget_bytes: int | None = None,
-        chunk_bytes: int = 8 << 20,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         write_block_bytes: int = 32 << 20,
         direct_io: bool = True,
         fsync: bool = True,

@@ -13,7 +13,7 @@ from .errors import CheckpointConfigError
 SnapshotMode = Literal["async", "eager"]
 
 MIN_CHUNK_BYTES = 4096
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20  # chosen by bench/bench_incremental.py: see docs/benchmarks.md ("Incremental saves")
 S3_MIN_PART_BYTES = 5 << 20  # S3 refuses smaller multipart parts (but the last)
 
 

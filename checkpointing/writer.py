@@ -91,7 +91,6 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     """
     plan = job.plan
     pack_path = layout.pack_name(job.step, rank, job.token)
-    storage.makedirs(layout.step_dir(job.step))
     # on this thread, so a first (or grown) allocation overlaps the training step
     pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
     leaves = job.flat.leaves

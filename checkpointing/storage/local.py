@@ -8,7 +8,7 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..layout import new_token
 
@@ -44,11 +44,26 @@ class LocalStorage:
     def _sync_dir(self, path: Path) -> None:
         if not self.fsync:
             return
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # removed meanwhile (a collector emptied it): nothing to make durable
+            return
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _create(self, target: Path, flags: int) -> int:
+        """Open a new file, creating its directory; a collector may remove an empty step directory
+        between the mkdir and the open (gc.py), so both are retried."""
+        for attempt in range(8):
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                return os.open(target, flags, 0o644)
+            except (FileNotFoundError, FileExistsError) as exc:
+                if isinstance(exc, FileExistsError) and exc.filename != str(target.parent) or attempt == 7:
+                    raise
+        raise AssertionError("unreachable")
 
     def makedirs(self, path: str) -> None:
         target = self._abs(path)
@@ -57,16 +72,13 @@ class LocalStorage:
             self._sync_dir(target.parent)
 
     def open_stream(self, path: str) -> "_LocalStream":
-        target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        return _LocalStream(target, direct=self.direct, fsync=self.fsync)
+        return _LocalStream(self._abs(path), direct=self.direct, fsync=self.fsync, create=self._create)
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
         target = self._abs(path)
         sync = self.fsync and durable
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{target.name}.tmp-{new_token()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             view = memoryview(data)
             while view:
@@ -78,7 +90,7 @@ class LocalStorage:
         try:
             if exclusive:
                 os.link(tmp, target)  # fails with EEXIST: never replaces a commit
-                os.unlink(tmp)
+                tmp.unlink(missing_ok=True)  # done: the name is linked whatever happens to the temporary
             else:
                 os.replace(tmp, target)
         except BaseException:
@@ -145,7 +157,7 @@ class LocalStorage:
 
 
 class _LocalStream:
-    def __init__(self, path: Path, *, direct: bool, fsync: bool) -> None:
+    def __init__(self, path: Path, *, direct: bool, fsync: bool, create: Any) -> None:
         self.path = path
         self.fsync = fsync
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -153,13 +165,13 @@ class _LocalStream:
         self.alignment = 1
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.fd = create(path, flags | os.O_DIRECT)
                 self.alignment = DIRECT_ALIGN
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
         if self.fd < 0:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = create(path, flags)
         self.offset = 0
 
     def write(self, data: memoryview) -> None:
