@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from _dist import assert_same, full_state
+from _tiered import _Lines
 
 MiB = 1 << 20
 VOCAB, D, OUT = 64, 128, 32
@@ -135,13 +136,6 @@ def restore_one_rank(rank: int, world: int, directory: str, refs: str) -> bool:
 # ----------------------------------------------------------------------------- test 4: ranks, remote tier
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def save_incremental_remote(rank: int, world: int, base: str, url: str, options: dict, refs: str) -> dict[str, Any]:

@@ -74,6 +74,16 @@ def snapshot(net, opt, step):
     return clone_tree({"model": net.state_dict(), "optim": opt.state_dict(), "meta": {"step": step}})
 
 
+def save_steps(mgr, net, opt, gen, steps):
+    """Train one step before each save; returns {step: snapshot of what was saved}."""
+    snaps = {}
+    for step in steps:
+        train_step(net, opt, gen)
+        mgr.save(step, state_of(net, opt, step)).wait()
+        snaps[step] = snapshot(net, opt, step)
+    return snaps
+
+
 def restore_and_check(mgr, step, snaps, make=frozen_run):
     """Restore `step` into fresh objects and compare bit-exactly with what was saved."""
     net, opt = make(seed=12345)
@@ -690,12 +700,8 @@ def test_base_step_deleted_between_two_saves(tmp_path):
     storage = LocalStorage(ck, direct=False)
     net, opt = frozen_run()
     gen = torch.Generator().manual_seed(0)
-    snaps = {}
     with CheckpointManager(ck, keep_local=None) as mgr:
-        for step in (1, 2):
-            train_step(net, opt, gen)
-            mgr.save(step, state_of(net, opt, step)).wait()
-            snaps[step] = snapshot(net, opt, step)
+        snaps = save_steps(mgr, net, opt, gen, (1, 2))
         [pack1] = [f for f in data_files(storage, 1)]
         assert pack1 in data_files(storage, 2)  # step 2 took the frozen base from step 1's pack
         marker2 = catalog.read_commit(storage, 2)
@@ -754,12 +760,8 @@ def test_a_step_committing_while_gc_runs_keeps_its_files(tmp_path):
     storage = LocalStorage(ck, direct=False)
     net, opt = frozen_run()
     gen = torch.Generator().manual_seed(0)
-    snaps = {}
     with CheckpointManager(ck, keep_local=None) as mgr:
-        for step in (1, 2):
-            train_step(net, opt, gen)
-            mgr.save(step, state_of(net, opt, step)).wait()
-            snaps[step] = snapshot(net, opt, step)
+        snaps = save_steps(mgr, net, opt, gen, (1, 2))
     files2 = data_files(storage, 2)
     assert any(f.startswith(own_dir(1)) for f in files2)  # step 2 takes the base from step 1's pack
     gc.delete_step(storage, 1)
