@@ -94,7 +94,8 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     # on this thread, so a first (or grown) allocation overlaps the training step
     pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
     leaves = job.flat.leaves
-    match = job.base.against(plan, pool.allocations, placement_keys(job)) if job.base is not None else None
+    job.keys = placement_keys(job)
+    match = job.base.against(plan, pool.allocations, job.keys) if job.base is not None else None
     pack = _PackWriter(job, pool, write_block, match)
     base = job.base
     ring = plan.pool_bytes < plan.pack_bytes  # a staging budget: staging writes the pack as it goes
@@ -148,7 +149,6 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
         for n, leaf in enumerate(leaves)
     )
     borrowed = tuple(base.files[f] for f in borrowed_files) if base is not None else ()
-    job.keys = placement_keys(job)
     return RankPart(rank, pack_path, pack.file_bytes, job.flat.tree, part_leaves, borrowed)
 
 
