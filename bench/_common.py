@@ -334,3 +334,14 @@ if __name__ == "__main__":
         _writer_child_main(sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit("usage: _common.py --writer-child SHM_PATH SIZE")
+
+
+def write_results(res: dict, md: str, json_path: str, md_path: str | None) -> None:
+    """A bench's results: JSON at `json_path`, markdown at `md_path` (if any) and on stdout."""
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(md + "\n")
+    print(md)

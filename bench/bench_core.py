@@ -1099,13 +1099,7 @@ def main(argv=None):
         md = markdown(res)
         default_json = os.path.join(HERE, "out", "bench_core.json")
     jpath = P.json or default_json
-    os.makedirs(os.path.dirname(os.path.abspath(jpath)), exist_ok=True)
-    with open(jpath, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    if P.md:
-        with open(P.md, "w") as f:
-            f.write(md + "\n")
-    print(md)
+    C.write_results(res, md, jpath, P.md)
     log(f"JSON: {jpath}" + (f"  markdown: {P.md}" if P.md else ""))
     if not P.writer_experiment:
         import torch.distributed as dist

@@ -825,13 +825,7 @@ def main(argv=None):
     res["foreign_cpu_load"] = res["foreign_cpu_s"] / res["total_wall_s"]
     md = markdown(res)
     jpath = P.json or os.path.join(HERE, "out", "bench_incremental.json")
-    os.makedirs(os.path.dirname(os.path.abspath(jpath)), exist_ok=True)
-    with open(jpath, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    if P.md:
-        with open(P.md, "w") as f:
-            f.write(md + "\n")
-    print(md)
+    C.write_results(res, md, jpath, P.md)
     emb = res["scenarios"].get("embedding", {})
     if emb.get("recommendation"):
         rec = emb["recommendation"]

@@ -74,6 +74,13 @@ def snapshot(net, opt, step):
     return clone_tree({"model": net.state_dict(), "optim": opt.state_dict(), "meta": {"step": step}})
 
 
+def new_run(tmp_path):
+    """A checkpoint directory, its storage, the frozen-base model with its optimizer, and a data seed."""
+    ck = tmp_path / "ck"
+    net, opt = frozen_run()
+    return ck, LocalStorage(ck, direct=False), net, opt, torch.Generator().manual_seed(0)
+
+
 def save_steps(mgr, net, opt, gen, steps):
     """Train one step before each save; returns {step: snapshot of what was saved}."""
     snaps = {}
@@ -485,10 +492,7 @@ def test_frozen_base_metrics(tmp_path):
 
 # ----------------------------------------------------------------------------- 4. reference-safe retention
 def test_keep_local_1_keeps_the_referenced_pack_until_nothing_uses_it(tmp_path, run_cli):
-    ck = tmp_path / "ck"
-    storage = LocalStorage(ck, direct=False)
-    net, opt = frozen_run()
-    gen = torch.Generator().manual_seed(0)
+    ck, storage, net, opt, gen = new_run(tmp_path)
     snaps = {}
     layer_bytes = [sum(p.numel() * 4 for p in layer.parameters()) for layer in net.base]
 
@@ -696,10 +700,7 @@ def test_a_pin_protects_an_old_file_until_it_is_removed(tmp_path, run_cli):
 def test_base_step_deleted_between_two_saves(tmp_path):
     """The manager's previous step is deleted by someone else: the next save takes nothing from it
     (gc.still_committed is False) and references no file that is gone."""
-    ck = tmp_path / "ck"
-    storage = LocalStorage(ck, direct=False)
-    net, opt = frozen_run()
-    gen = torch.Generator().manual_seed(0)
+    ck, storage, net, opt, gen = new_run(tmp_path)
     with CheckpointManager(ck, keep_local=None) as mgr:
         snaps = save_steps(mgr, net, opt, gen, (1, 2))
         [pack1] = [f for f in data_files(storage, 1)]
@@ -756,10 +757,7 @@ class CommitsDuringCollect(LocalStorage):
 def test_a_step_committing_while_gc_runs_keeps_its_files(tmp_path):
     """Step 2 is in flight (pinned, pack and manifest written, no COMMIT) when a collection starts;
     it commits and unpins after the collector listed its files and before it read the pins."""
-    ck = tmp_path / "ck"
-    storage = LocalStorage(ck, direct=False)
-    net, opt = frozen_run()
-    gen = torch.Generator().manual_seed(0)
+    ck, storage, net, opt, gen = new_run(tmp_path)
     with CheckpointManager(ck, keep_local=None) as mgr:
         snaps = save_steps(mgr, net, opt, gen, (1, 2))
     files2 = data_files(storage, 2)
@@ -782,10 +780,7 @@ def test_a_step_committing_while_gc_runs_keeps_its_files(tmp_path):
 
 # ----------------------------------------------------------------------------- 6. a damaged shared chunk
 def test_damaged_shared_chunk_is_reported_for_every_step_using_it(tmp_path, run_cli):
-    ck = tmp_path / "ck"
-    storage = LocalStorage(ck, direct=False)
-    net, opt = frozen_run()
-    gen = torch.Generator().manual_seed(0)
+    ck, storage, net, opt, gen = new_run(tmp_path)
     snaps = {}
     with CheckpointManager(ck, keep_local=None) as mgr:
         for step in range(1, 6):
