@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import torch
@@ -29,11 +30,10 @@ def is_dtensor(obj: Any) -> bool:
 
 
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
+    """DTensor, if its module is loaded: no object is a DTensor before it is (importing it here
+    would cost a job that never uses DTensors most of a second inside its first save())."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
