@@ -20,7 +20,6 @@ from . import catalog, gc
 from .coordinator import LocalCoordinator, StoreCoordinator
 from .errors import CheckpointUploadError
 from .accounting import SaveAccounting
-from .manifest import encode_manifest, manifest_digest
 from .metrics import SaveStats, log_save, stats_of
 from .reuse import ReuseBase, base_after_save
 from .staging import StagingPool
@@ -29,14 +28,6 @@ from .tiering import Uploader, UploadJob
 from .writer import SaveJob, run_save
 
 log = logging.getLogger("checkpointing")
-
-
-def _committed_here(storage: LocalStorage, step: int) -> bool:
-    try:
-        catalog.read_commit(storage, step)
-        return True
-    except Exception:  # noqa: BLE001 - missing or unreadable: not committed
-        return False
 
 
 class BackgroundSaves:
@@ -86,13 +77,13 @@ class BackgroundSaves:
             try:
                 job.manifest = coord.commit(job, part)
             except BaseException:
-                if not _committed_here(self.storage, job.step):  # e.g. a COMMIT linked, then an error: keep its data
+                if catalog.committed_digest(self.storage, job.step) is None:  # e.g. a COMMIT linked, then an error: keep its data
                     self.storage.delete(part.file)  # nothing will ever reference this pack
                 raise
             job.t_committed = time.perf_counter()
             if self.options.incremental and job.refs and job.plan.pool_bytes >= job.plan.pack_bytes:
-                self._base = base_after_save(job.plan, self._pool.allocations, job.manifest,
-                                             manifest_digest(encode_manifest(job.manifest)), job.digests, job.refs, job.keys)
+                self._base = base_after_save(job.plan, self._pool.allocations, job.manifest, job.manifest_digest,
+                                             job.digests, job.refs, job.keys)
         except BaseException as exc:  # reported at the next save()/wait()
             if not job.error_reported:
                 job.error = exc
@@ -106,7 +97,7 @@ class BackgroundSaves:
         if job.error_reported:  # failed inside save(): raised there, nothing to record
             job.done.set()
         elif upload is not None and job.error is None:
-            upload.manifest, upload.t_local = job.manifest, job.t_committed
+            upload.manifest, upload.manifest_digest, upload.t_local = job.manifest, job.manifest_digest, job.t_committed
             assert self._uploader is not None
             self._uploader.submit(upload)  # records the stats once the step is on the remote tier
             job.done.set()  # the next save may start: the upload reads the local files, not the staging pool

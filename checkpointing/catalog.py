@@ -72,17 +72,28 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
     return manifest
 
 
-def commit(storage: Storage, manifest: Manifest, token: str) -> None:
-    """Write the manifest, then the COMMIT marker (exclusive create: a step commits once)."""
-    commit_bytes(storage, manifest.step, encode_manifest(manifest), token)
+def commit(storage: Storage, manifest: Manifest, token: str) -> str:
+    """Write the manifest, then the COMMIT marker (exclusive create: a step commits once); returns
+    the manifest's digest as the marker names it."""
+    return commit_bytes(storage, manifest.step, encode_manifest(manifest), token)
 
 
-def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> None:
+def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> str:
     """commit() for a manifest already encoded (every tier stores the very same bytes)."""
     path = layout.manifest_name(step, token)
     storage.put(path, data)
     marker = CommitMarker(step, path, manifest_digest(data))
     storage.put(layout.commit_name(step), encode_commit(marker), exclusive=True)
+    return marker.manifest_digest
+
+
+def committed_digest(storage: Storage, step: int) -> str | None:
+    """The manifest digest `step`'s COMMIT names, or None when the step is not committed (or its
+    marker cannot be read)."""
+    try:
+        return read_commit(storage, step).manifest_digest
+    except (CheckpointError, OSError):
+        return None
 
 
 class CommitConflictError(CheckpointError):

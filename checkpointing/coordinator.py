@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from . import catalog
 from .errors import CheckpointError
-from .manifest import Manifest, decode_manifest, encode_manifest
+from .manifest import Manifest, decode_manifest, encode_manifest, manifest_digest
 from .merge import MergeError, RankPart, decode_part, encode_part, merge_parts
 from .storage import LocalStorage
 
@@ -116,7 +116,7 @@ class LocalCoordinator:
             manifest, _ = merge_parts(job.step, [part], self.tiers)
         except MergeError as exc:
             raise CheckpointError(f"step {job.step} cannot be committed: {exc}") from None
-        catalog.commit_bytes(self.storage, job.step, encode_manifest(manifest), job.token)
+        job.manifest_digest = catalog.commit_bytes(self.storage, job.step, encode_manifest(manifest), job.token)
         return manifest
 
     def barrier(self, name: str) -> None:
@@ -205,6 +205,7 @@ class StoreCoordinator:
         if manifest is None:
             data = self.store.get(self._key(job, "manifest"))
             manifest = decode_manifest(data, f"step {job.step} manifest from rank 0")
+            job.manifest_digest = manifest_digest(data)  # what its tier leader's COMMIT names
         return manifest
 
     def _merge(self, job: Any, deadline: float) -> bool:
@@ -259,7 +260,7 @@ class StoreCoordinator:
             _sleep_until(deadline, f"step {job.step}: rank 0 (the coordinator) published no manifest in time; it may have died")
         data = self.store.get(manifest_key)
         try:
-            catalog.commit_bytes(self.storage, job.step, data, job.token)
+            job.manifest_digest = catalog.commit_bytes(self.storage, job.step, data, job.token)
             ack = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the step everywhere
             ack = {"ok": False, "error": f"committing on its local tier {self.storage.url}: {type(exc).__name__}: {exc}"}

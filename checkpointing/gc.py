@@ -23,6 +23,7 @@ retired and G4 finds it committed, with every file it references.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Callable, Collection, Iterable
@@ -61,8 +62,6 @@ def remove_pin(storage: Storage, path: str | None) -> None:
 
 def read_pin(storage: Storage, path: str) -> list[str]:
     """The files a pin protects; ManifestError when it cannot be read (then nothing may be collected)."""
-    import json
-
     where = f"{storage.url}/{path}"
     try:
         obj = json.loads(storage.get(path))
@@ -76,10 +75,7 @@ def read_pin(storage: Storage, path: str) -> list[str]:
 
 def still_committed(storage: Storage, step: int, manifest_digest: str) -> bool:
     """Is `step` committed with the manifest whose sha256 is `manifest_digest`? (W2 of the protocol)"""
-    try:
-        return catalog.read_commit(storage, step).manifest_digest == manifest_digest
-    except (CheckpointError, OSError):
-        return False
+    return catalog.committed_digest(storage, step) == manifest_digest
 
 
 @dataclasses.dataclass(frozen=True)

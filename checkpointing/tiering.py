@@ -48,6 +48,7 @@ class UploadJob:
     step: int
     save: Any = None  # the SaveJob it continues (None: an upload resumed at start-up)
     manifest: Manifest | None = None
+    manifest_digest: str = ""  # the sha256 its COMMIT names ("" for a resumed upload)
     seq: int = -1  # upload number, the same on every rank (set by Uploader.submit)
     t_local: float = 0.0  # perf_counter when the step was committed locally
     t_done: float = 0.0
@@ -137,7 +138,8 @@ class Uploader:
                 error = exc
             self.committer.commit(job, error, job.transfer_s)
             self.saw_remote(added={job.step})
-            self._base = (job.step, manifest_digest(encode_manifest(job.manifest)), frozenset(f.path for f in job.manifest.files))
+            digest = job.manifest_digest or manifest_digest(encode_manifest(job.manifest))  # resumed: not known yet
+            self._base = (job.step, digest, frozenset(f.path for f in job.manifest.files))
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
         gc.remove_pin(self.remote, job.pin)

@@ -57,6 +57,7 @@ class SaveJob:
     seq: int = 0  # this save's number among the manager's saves: the same on every rank
     exchanged: bool = False  # this rank told its peers what it writes
     manifest: Any = None  # the committed Manifest
+    manifest_digest: str = ""  # the sha256 its COMMIT names (set by the coordinator that committed it)
     base: ReuseBase | None = None  # the previous save's chunks this one may take instead of writing (incremental)
     pin: str | None = None  # this rank's pin while the save is in flight (gc.py)
     digests: list[str] = dataclasses.field(default_factory=list)  # per placement, once written
