@@ -181,6 +181,17 @@ def restore_into_fresh(mgr: CheckpointManager, step: int | None = None) -> tuple
     return got, fresh.snapshot()
 
 
+def restores_from_the_remote_alone(tmp_path: Path, bucket: tuple[str, dict], refs: dict, *, newest: int, older: int) -> None:
+    """A new machine (an empty local directory) sees exactly `older` and `newest` on the remote tier
+    and restores both (newest by default) bit-exactly."""
+    with remote_manager(tmp_path / "new-machine", bucket) as mgr:
+        assert mgr.tiers() == {older: "remote", newest: "remote"}
+        for step, asked in ((newest, None), (older, older)):
+            got, restored = restore_into_fresh(mgr, step=asked)
+            assert got == step
+            assert_equal(refs[step], restored)
+
+
 def assert_equal(a, b, where: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
@@ -233,14 +244,7 @@ def test_remote_uploads_only_new_files_and_restores_from_the_remote_alone(tmp_pa
     assert packs_on_disk(local, but=4) == earlier_files(LocalStorage(local), 4) == step1_packs
 
     shutil.rmtree(local)  # the machine is gone: a new one has only the bucket
-    with remote_manager(tmp_path / "new-machine", s3_bucket) as mgr:
-        assert mgr.tiers() == {3: "remote", 4: "remote"}
-        got, restored = restore_into_fresh(mgr)
-        assert got == 4
-        assert_equal(refs[4], restored)
-        got, restored = restore_into_fresh(mgr, step=3)
-        assert got == 3
-        assert_equal(refs[3], restored)
+    restores_from_the_remote_alone(tmp_path, s3_bucket, refs, newest=4, older=3)
     verify_all(remote, [3, 4])
 
 
@@ -283,15 +287,8 @@ def test_the_upload_after_a_failed_one_sends_the_files_the_remote_tier_lacks(tmp
     assert files_of(remote, 3) == files_of(local_storage, 3)
 
     shutil.rmtree(local)
-    with remote_manager(tmp_path / "new-machine", s3_bucket) as mgr:
-        assert mgr.tiers() == {1: "remote", 3: "remote"}
-        got, restored = restore_into_fresh(mgr)
-        assert got == 3
-        assert_equal(refs[3], restored)
-        got, restored = restore_into_fresh(mgr, step=1)
-        assert got == 1
-        assert_equal(refs[1], restored)
-        assert refs[3]["extra"][0] == 1.5
+    restores_from_the_remote_alone(tmp_path, s3_bucket, refs, newest=3, older=1)
+    assert refs[3]["extra"][0] == 1.5
 
 
 # ----------------------------------------------------------------------------- 4. two ranks + remote
