@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Incremental saves: `CheckpointManager(dir, incremental=True)` (write only the chunks whose bytes
 changed since the previous committed save) against `incremental=False` (write everything), on the
-same state, the same training loop and the same disk, in one run.
+same state, the same training loop and the same disk, in one run. Fine-tuning and dense training
+also run `change_detection="compare"` (every byte compared with the previous save's, as where the
+kernel cannot report written pages) to show what the kernel's write watching saves and costs.
 
     python bench/bench_incremental.py              # full run (~0.7 GB fine-tuning and dense states; a few minutes)
     python bench/bench_incremental.py --quick      # smoke test (~50 MB states, under a minute)
@@ -26,7 +28,10 @@ The loop: warm-up steps (the optimizer state exists), one untimed first save (al
 pool; always writes everything), then `--saves` saves every `--every` training steps; the
 training loop runs on while each save is written (snapshot="async", as in production). Per save:
 SaveStats.total_s (save() entry -> committed on the local tier, what handle.wait() waits for),
-stall_s, bytes_written (pack bytes incl. page padding), bytes_reused, chunks. Medians are over
+stall_s, bytes_written (pack bytes incl. page padding), bytes_reused, chunks, bytes_unwritten (not
+read at all: no write to their pages since the previous save); per phase the training thread's
+time (the sum of the loop's step times: save() calls, guard waits, and the page faults of the
+first write to each watched page after a save). Medians are over
 the timed saves of every round. Packs are written with O_DIRECT and nothing is read back (but one
 restore check per scenario), so no page cache is dropped between modes. Results: markdown on
 stdout, JSON (--json, default bench/out/bench_incremental.json), markdown (--md).
@@ -326,7 +331,14 @@ def tensors_equal(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def run_phase(make, *, incremental: bool, chunk_bytes: int, P, work: str, label: str, remote: dict | None = None,
+MODES = {  # CheckpointManager options per mode
+    "incremental": dict(incremental=True),  # the default: kernel write watching where available, else compare
+    "compare": dict(incremental=True, change_detection="compare"),  # compare every byte with the previous save's
+    "full": dict(incremental=False),
+}
+
+
+def run_phase(make, *, mode: str, chunk_bytes: int, P, work: str, label: str, remote: dict | None = None,
               verify: bool = False) -> dict:
     """Build the workload, save it `P.saves` times every `P.every` steps with one manager, collect
     the SaveStats. `make()` returns a fresh workload (same seed every time)."""
@@ -335,10 +347,10 @@ def run_phase(make, *, incremental: bool, chunk_bytes: int, P, work: str, label:
     w = make()
     build_s = now() - t_phase
     d = tempfile.mkdtemp(prefix=f"{label}-", dir=work)
-    kw: dict = dict(keep_local=2, incremental=incremental, chunk_bytes=chunk_bytes)
+    kw: dict = dict(keep_local=2, chunk_bytes=chunk_bytes, **MODES[mode])
     if remote is not None:
         kw.update(remote=f"{remote['url']}/{os.path.basename(d)}", storage_options=remote["options"], keep_remote=2)
-    res: dict = {"label": label, "incremental": incremental, "chunk_bytes": chunk_bytes, "build_s": build_s}
+    res: dict = {"label": label, "mode": mode, "chunk_bytes": chunk_bytes, "build_s": build_s}
     mgr = CheckpointManager(d, **kw)
     try:
         for i in range(P.warmup):
@@ -362,6 +374,8 @@ def run_phase(make, *, incremental: bool, chunk_bytes: int, P, work: str, label:
             gc.enable()
         mgr.wait()
         res["step_median_s"] = C.median(step_times)
+        res["step_mean_s"] = sum(step_times) / len(step_times)
+        res["train_s"] = sum(step_times)  # the training thread: steps, save() calls, guard waits, first writes after a save
         res["manifest_bytes"] = newest_manifest_bytes(d)
         res["dir_bytes_end"] = dir_bytes(d)
         res["staging_bytes"] = mgr.staging_bytes
@@ -369,7 +383,8 @@ def run_phase(make, *, incremental: bool, chunk_bytes: int, P, work: str, label:
         mgr.close()
     res["saves"] = [s.as_dict() for s in stats]
     for k in ("total_s", "stall_s", "guard_wait_s", "wait_prev_s", "snapshot_s", "write_s", "commit_s",
-              "bytes_written", "bytes_reused", "chunks_reused", "upload_s", "bytes_uploaded", "bytes_upload_reused"):
+              "bytes_written", "bytes_reused", "chunks_reused", "upload_s", "bytes_uploaded", "bytes_upload_reused",
+              "bytes_unwritten"):
         vals = [s.get(k) for s in res["saves"] if s.get(k) is not None]
         if vals:
             res[k + "_median"] = C.median(vals)
@@ -390,25 +405,26 @@ def run_phase(make, *, incremental: bool, chunk_bytes: int, P, work: str, label:
     res["foreign_cpu_s"] = C.foreign_cpu_since(cpu0)
     res["wall_s"] = now() - t_phase
     del w  # freed by reference counting (a full gc.collect() costs ~0.3 s here)
-    log(f"  {label:28s} {'incr' if incremental else 'full'} chunk {size_name(chunk_bytes):>7s}: "
+    log(f"  {label:28s} {mode:11s} chunk {size_name(chunk_bytes):>7s}: "
         f"written {mb(res.get('bytes_written_median'))} MB (mean {mb(res.get('bytes_written_mean'))}) "
         f"total_s {f3(res.get('total_s_median'))} stall {f3(res.get('stall_s_median'))} "
-        f"reused {res.get('chunks_reused_median')}/{res.get('chunks_total')} chunks"
+        f"reused {res.get('chunks_reused_median')}/{res.get('chunks_total')} chunks, unwritten {mb(res.get('bytes_unwritten_median'))} MB "
+        f"train {f3(res.get('train_s'))} s"
         + (f" uploaded {mb(res.get('bytes_uploaded_median'))} MB" if remote else "")
         + (f" restore_ok={res['restore_ok']}" if "restore_ok" in res else "")
         + f" [{res['wall_s']:.1f}s, others {res['foreign_cpu_s']:.1f} CPU-s]")
     return res
 
 
-def run_pair(make, P, work: str, label: str, chunk_bytes: int, remote: dict | None = None, verify: bool = True) -> dict:
-    """Both modes, `P.rounds` rounds, alternating which one goes first (ABBA ...)."""
-    phases: dict = {"incremental": [], "full": []}
+def run_pair(make, P, work: str, label: str, chunk_bytes: int, remote: dict | None = None, verify: bool = True,
+             modes: tuple[str, ...] = ("incremental", "full")) -> dict:
+    """Each mode, `P.rounds` rounds, alternating the order (ABBA ...)."""
+    phases: dict = {m: [] for m in modes}
     for r in range(P.rounds):
-        order = (True, False) if r % 2 == 0 else (False, True)
-        for inc in order:
-            ph = run_phase(make, incremental=inc, chunk_bytes=chunk_bytes, P=P, work=work,
-                           label=f"{label}-r{r}", remote=remote, verify=verify and inc and r == 0)
-            phases["incremental" if inc else "full"].append(ph)
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            ph = run_phase(make, mode=mode, chunk_bytes=chunk_bytes, P=P, work=work,
+                           label=f"{label}-r{r}", remote=remote, verify=verify and mode != "full" and r == 0)
+            phases[mode].append(ph)
     return summarize(phases)
 
 
@@ -419,7 +435,8 @@ def summarize(phases: dict) -> dict:
         saves = [s for ph in phs for s in ph["saves"]]
         m: dict = {"n_saves": len(saves), "rounds": len(phs)}
         for k in ("total_s", "stall_s", "guard_wait_s", "wait_prev_s", "snapshot_s", "write_s", "commit_s",
-                  "bytes_written", "bytes_reused", "chunks_reused", "upload_s", "bytes_uploaded", "bytes_upload_reused"):
+                  "bytes_written", "bytes_reused", "chunks_reused", "upload_s", "bytes_uploaded", "bytes_upload_reused",
+                  "bytes_unwritten"):
             vals = [s.get(k) for s in saves if s.get(k) is not None]
             if vals:
                 m[k] = C.median(vals)
@@ -429,6 +446,7 @@ def summarize(phases: dict) -> dict:
             vals = [ph.get(k) for ph in phs if ph.get(k) is not None]
             m[k] = C.median(vals) if vals else None
         m["step_median_s"] = C.median([ph.get("step_median_s") for ph in phs])
+        m["train_s"] = C.median([ph.get("train_s") for ph in phs])
         m["first_total_s"] = C.median([ph["first"]["total_s"] for ph in phs])
         m["foreign_cpu_s"] = sum(ph["foreign_cpu_s"] for ph in phs)
         m["ok"] = all(ph["ok"] for ph in phs)
@@ -436,14 +454,17 @@ def summarize(phases: dict) -> dict:
         if ro:
             m["restore_ok"] = all(ro)
         out[mode] = m
-    inc, full = out["incremental"], out["full"]
+    full = out["full"]
 
-    def ratio(k):
-        a, b = inc.get(k), full.get(k)
-        return a / b if a is not None and b else None
+    def ratios(mode):
+        m = out[mode]
+        return {k: (m[k] / full[k] if m.get(k) is not None and full.get(k) else None)
+                for k in ("bytes_written", "bytes_written_mean", "total_s", "stall_s", "bytes_uploaded", "upload_s",
+                          "dir_bytes_end", "train_s")}
 
-    out["ratios"] = {k: ratio(k) for k in ("bytes_written", "bytes_written_mean", "total_s", "stall_s", "bytes_uploaded",
-                                           "upload_s", "dir_bytes_end")}
+    out["ratios"] = ratios("incremental")
+    if "compare" in out:
+        out["ratios_compare"] = ratios("compare")
     return out
 
 
@@ -460,7 +481,8 @@ def scenario_finetune(P, work, remote=None, gb=None) -> dict:
     del w
     log(f"fine-tuning{' (remote tier)' if remote else ''}: {info['shape']}, {info['bytes'] / GB:.3f} GB, "
         f"changed share {info['changed_share']:.4f}")
-    res = run_pair(make, P, work, "ft-remote" if remote else "ft", P.chunk_bytes, remote=remote, verify=remote is None)
+    res = run_pair(make, P, work, "ft-remote" if remote else "ft", P.chunk_bytes, remote=remote, verify=remote is None,
+                   modes=("incremental", "full") if remote else ("incremental", "compare", "full"))
     res.update(info)
     r = res["ratios"]
     if remote is None:
@@ -477,7 +499,7 @@ def scenario_dense(P, work) -> dict:
     info = {"shape": w.shape, "bytes": w.nbytes(), "changed_share": 1.0}
     del w
     log(f"dense: {info['shape']}, {info['bytes'] / GB:.3f} GB")
-    res = run_pair(make, P, work, "dense", P.chunk_bytes)
+    res = run_pair(make, P, work, "dense", P.chunk_bytes, modes=("incremental", "compare", "full"))
     res.update(info)
     r = res["ratios"]
     res["targets"] = {
@@ -539,7 +561,7 @@ def _mode_rows(res: dict, remote: bool = False) -> list:
         L.append("| mode | saves | bytes uploaded / save (median) | mean | bytes_upload_reused (median; whole earlier files) | "
                  "local commit -> remote durable (median, s) | bytes written / save | save -> durable local (median, s) |")
         L.append("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for mode in ("incremental", "full"):
+        for mode in [k for k in MODES if k in res]:
             m = res[mode]
             L.append(f"| {mode} | {m['n_saves']} | {mb(m.get('bytes_uploaded'))} MB | {mb(m.get('bytes_uploaded_mean'))} MB | "
                      f"{mb(m.get('bytes_upload_reused'))} MB | {f3(m.get('upload_s'))} | {mb(m.get('bytes_written'))} MB | "
@@ -547,31 +569,34 @@ def _mode_rows(res: dict, remote: bool = False) -> list:
         return L
     L.append("| mode | saves | bytes written / save (median) | mean | max | reused (median) | chunks reused / total | "
              "save -> durable (median, s) | max | stall (median, s) | snapshot_s | write_s | commit_s | wait prev | "
-             "first save (s) | disk at end | step (median, s) | other procs CPU-s |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for mode in ("incremental", "full"):
+             "first save (s) | disk at end | unwritten (median) | step (median, s) | training thread (s) | other procs CPU-s |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in [k for k in MODES if k in res]:
         m = res[mode]
         L.append(f"| {mode} | {m['n_saves']} | **{mb(m.get('bytes_written'))} MB** | {mb(m.get('bytes_written_mean'))} | "
                  f"{mb(m.get('bytes_written_max'))} | {mb(m.get('bytes_reused'))} MB | "
                  f"{m.get('chunks_reused', 0):.0f} / {m.get('chunks_total') or 0:.0f} | **{f3(m.get('total_s'))}** | "
                  f"{f3(m.get('total_s_max'))} | {f3(m.get('stall_s'), 4)} | {f3(m.get('snapshot_s'))} | {f3(m.get('write_s'))} | "
                  f"{f3(m.get('commit_s'))} | {f3(m.get('wait_prev_s'))} | {f3(m.get('first_total_s'))} | "
-                 f"{mb(m.get('dir_bytes_end'))} MB | {f3(m.get('step_median_s'))} | {m.get('foreign_cpu_s', 0):.1f} |")
+                 f"{mb(m.get('dir_bytes_end'))} MB | {mb(m.get('bytes_unwritten'))} MB | {f3(m.get('step_median_s'))} | "
+                 f"{f3(m.get('train_s'))} | {m.get('foreign_cpu_s', 0):.1f} |")
     return L
 
 
 def _ratio_rows(res: dict) -> list:
-    r = res["ratios"]
-    L = ["| ratio incremental / full | value | target | met |", "|---|---:|---|---|"]
+    r, rc = res["ratios"], res.get("ratios_compare")
+    L = ["| ratio to full | incremental (default) | target | met |" + (" compare every byte |" if rc else ""),
+         "|---|---:|---|---|" + ("---:|" if rc else "")]
     names = {"bytes_written": "bytes written per save (median)", "bytes_written_mean": "bytes written per save (mean)",
-             "total_s": "save -> durable (median)", "stall_s": "stall (median)", "dir_bytes_end": "disk used at the end (keep_local=2)"}
+             "total_s": "save -> durable (median)", "stall_s": "stall (median)", "dir_bytes_end": "disk used at the end (keep_local=2)",
+             "train_s": "training thread time (sum of the loop's steps)"}
     tg = res.get("targets", {})
     for k, label in names.items():
         if r.get(k) is None:
             continue
         t = tg.get(k, {})
         met = {True: "yes", False: "**no**", None: ""}[t.get("met")]
-        L.append(f"| {label} | {f3(r[k])} | {t.get('target', '')} | {met} |")
+        L.append(f"| {label} | {f3(r[k])} | {t.get('target', '')} | {met} |" + (f" {f3(rc.get(k))} |" if rc else ""))
     return L
 
 
@@ -616,17 +641,23 @@ def markdown(res: dict) -> str:
             inc, full = ft["incremental"], ft["full"]
             share = ft["changed_share"]
             fixed = 3 * fl["small_put_fsync_s"]
-            est = (ft["bytes"] * (1 - share) / (fl["memcmp_GBps"] * GB) + ft["bytes"] * share / (fl["memcpy_memmove_GBps"] * GB)
-                   + (inc.get("bytes_written") or 0) / (fl["write_odirect_GBps"] * GB) + fixed)
+            copy_changed = ft["bytes"] * share / (fl["memcpy_memmove_GBps"] * GB)
+            write_inc = (inc.get("bytes_written") or 0) / (fl["write_odirect_GBps"] * GB)
+            est = copy_changed + write_inc + fixed  # written pages watched: unchanged bytes are not read
+            est_cmp = est + ft["bytes"] * (1 - share) / (fl["memcmp_GBps"] * GB)  # every unchanged byte compared
             est_full = (ft["bytes"] / (fl["memcpy_memmove_GBps"] * GB) + (full.get("bytes_written") or 0) / (fl["write_odirect_GBps"] * GB)
                         + fixed)
-            ft["floor_estimate"] = {"incremental_s": est, "full_s": est_full, "ratio": est / est_full}
-            L.append(f"Floor estimate of one save from the floors above (memcmp of the unchanged bytes + memmove of the "
-                     f"changed ones + O_DIRECT write of the bytes written + 3 small fsynced files): incremental {est:.3f} s, "
-                     f"full {est_full:.3f} s, ratio **{est / est_full:.2f}** (digests and CPU contention with training not "
+            ft["floor_estimate"] = {"incremental_s": est, "compare_s": est_cmp, "full_s": est_full, "ratio": est / est_full,
+                                    "ratio_compare": est_cmp / est_full}
+            cmp = ft.get("compare", {})
+            L.append(f"Floor estimate of one save from the floors above (memmove of the changed bytes + O_DIRECT write of "
+                     f"the bytes written + 3 small fsynced files; comparing every byte adds a memcmp of the unchanged "
+                     f"ones): incremental {est:.3f} s, compare {est_cmp:.3f} s, full {est_full:.3f} s; ratios "
+                     f"**{est / est_full:.2f}** and {est_cmp / est_full:.2f} (digests and CPU contention with training not "
                      f"counted). "
                      f"Measured: incremental snapshot_s {f3(inc.get('snapshot_s'))} + write_s {f3(inc.get('write_s'))} + "
-                     f"commit_s {f3(inc.get('commit_s'))}; full {f3(full.get('snapshot_s'))} + {f3(full.get('write_s'))} + "
+                     f"commit_s {f3(inc.get('commit_s'))}; compare {f3(cmp.get('snapshot_s'))} + {f3(cmp.get('write_s'))} + "
+                     f"{f3(cmp.get('commit_s'))}; full {f3(full.get('snapshot_s'))} + {f3(full.get('write_s'))} + "
                      f"{f3(full.get('commit_s'))}.\n")
         if "restore_ok" in ft["incremental"]:
             L.append(f"Restore check (last incremental step into a fresh model, bit-exact): {ft['incremental']['restore_ok']}.\n")
@@ -810,7 +841,7 @@ def main(argv=None):
             res["scenarios"][key]["wall_s"] = now() - t0
         for key, s in res["scenarios"].items():
             for sub in ([s] if "sweep" not in s else s["sweep"]):
-                for mode in ("incremental", "full"):
+                for mode in MODES:
                     m = sub.get(mode, {})
                     if m and not m.get("ok", True):
                         res["problems"].append(f"{key} {mode}: a save failed")

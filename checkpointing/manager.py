@@ -46,7 +46,7 @@ from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .background import BackgroundSaves
 from .metrics import SaveStats
 from .loop import LoopHooks, StepScope  # noqa: F401 - StepScope is what mgr.step() returns
-from .options import DEFAULT_CHUNK_BYTES, ManagerOptions, SnapshotMode
+from .options import DEFAULT_CHUNK_BYTES, ChangeDetection, ManagerOptions, SnapshotMode
 from .plan import PackPlan, plan_pack
 from .preemption import Preemption
 from .choose import choose_step
@@ -123,6 +123,7 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         keep_local: int | None = 2,
         keep_remote: int | None = None,
         incremental: bool = True,
+        change_detection: ChangeDetection = "auto",
         process_group: Any = None,
         snapshot: SnapshotMode = "async",
         staging_budget_bytes: int | None = None,
@@ -144,7 +145,7 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         self.options = ManagerOptions(
             keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes,
             chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync,
-            incremental=incremental, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
+            incremental=incremental, change_detection=change_detection, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
             timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes,
             upload_bytes_per_s=upload_bytes_per_s, interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics,
         )
@@ -239,7 +240,8 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         if any(leaf.tensor.is_cuda for leaf in flat.leaves):
             start_event = torch.cuda.Event()
             start_event.record(torch.cuda.current_stream())
-        job = SaveJob(step, flat, plan, regions, t0, wall, wait_prev_s, start_event=start_event, seq=seq, base=self._base)
+        job = SaveJob(step, flat, plan, regions, t0, wall, wait_prev_s, start_event=start_event, seq=seq, base=self._base,
+                       watch_writes=self.options.incremental and self.options.change_detection == "auto")
         self._base = None  # the pool is about to change: only this save's own success sets a new base
         upload = None
         if self._uploader is not None:

@@ -35,6 +35,8 @@ class SaveStats:
         page padding). bytes_reused: chunks an incremental save took from earlier steps instead of
         writing them (chunks_reused of chunks_total). bytes_upload_reused: with a remote tier, bytes
         this rank's upload found there already (earlier steps' files, or a resumed upload's).
+        bytes_unwritten: of the state, the bytes staging neither compared nor copied because the
+        kernel saw no write to their pages since the previous save (change_detection="auto").
     tier: where the step is durable: "local", or "local+remote" once uploaded.
     upload_s, bytes_uploaded, upload_bytes_per_s (None without a remote tier): local commit to
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
@@ -83,6 +85,7 @@ class SaveStats:
     chunks_total: int = 0
     chunks_reused: int = 0
     bytes_upload_reused: int | None = None
+    bytes_unwritten: int = 0
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -119,6 +122,7 @@ def stats_of(job: Any, upload: Any, *, staging_bytes: int, rank: int, world_size
         total_s=end - job.t_call - job.wait_prev_s,
         bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if committed else 0,
         bytes_reused=job.bytes_reused if committed else 0, chunks_total=job.chunks_total, chunks_reused=job.chunks_reused if committed else 0,
+        bytes_unwritten=job.bytes_unwritten if committed else 0,
         write_bytes_per_s=job.bytes_written / write_s if committed and write_s > 0 else 0.0,
         staging_bytes=staging_bytes, time=job.wall_time, rank=rank, world_size=world_size,
         tier="local+remote" if ok and upload is not None else "local", **remote,

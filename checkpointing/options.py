@@ -11,6 +11,7 @@ from .codecs import Codec
 from .errors import CheckpointConfigError
 
 SnapshotMode = Literal["async", "eager"]
+ChangeDetection = Literal["auto", "compare"]
 
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 1 << 20  # chosen by bench/bench_incremental.py: see docs/benchmarks.md ("Incremental saves")
@@ -37,6 +38,11 @@ class ManagerOptions:
         A smaller budget streams the state through a ring and the guard waits for the writer.
     chunk_bytes: largest chunk; every chunk carries its own digest.
     write_block_bytes: size of one write syscall to the pack file.
+    change_detection: how an incremental save finds the chunks that changed. "auto": where the
+        kernel reports written pages (Linux >= 6.7, pagewrites.py), chunks of CPU tensors not
+        written since the previous save are not even read, the rest are compared byte for byte;
+        elsewhere everything is compared. "compare": always compare every byte (for memory that a
+        device writes by DMA into pages pinned outside PyTorch, e.g. RDMA-registered CPU tensors).
     direct_io: use O_DIRECT for pack writes where the filesystem supports it.
     fsync: make every write durable before the commit marker (turn off only for tests).
     timeout_s: longest wait for another rank (its report, rank 0's verdict, a restore agreement)
@@ -58,6 +64,7 @@ class ManagerOptions:
     direct_io: bool = True
     fsync: bool = True
     incremental: bool = True
+    change_detection: ChangeDetection = "auto"
     remote: str | None = None
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     codecs: tuple[Codec, ...] = ()
@@ -80,6 +87,11 @@ class ManagerOptions:
             raise CheckpointConfigError(
                 f"snapshot={self.snapshot!r} is invalid: use 'async' (copy overlaps compute, guarded "
                 "before optimizer.step) or 'eager' (copy before save returns)"
+            )
+        if self.change_detection not in ("auto", "compare"):
+            raise CheckpointConfigError(
+                f"change_detection={self.change_detection!r} is invalid: use 'auto' (skip memory the kernel saw no "
+                "write to, compare the rest) or 'compare' (compare every byte)"
             )
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < MIN_CHUNK_BYTES:
             raise CheckpointConfigError(

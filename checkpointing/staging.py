@@ -7,6 +7,8 @@ side stream into pinned memory; an event per chunk orders the writer after the c
 For an incremental save (reuse.py) a CPU chunk is first compared with what the pool already holds
 there (the previous save's bytes): a memcmp that releases the GIL and stops at the first
 difference, so an unchanged chunk costs a read instead of a copy and a changed one costs a copy.
+Where the kernel reports written pages, chunks not written since the previous save are not even
+read (writewatch.py); `Copier.watchable` names the sources that can be watched.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import mmap
 from typing import Any
 
 import torch
+
+from .writewatch import WriteWatch
 
 _libc = ctypes.CDLL(None)
 _memcmp = _libc.memcmp
@@ -42,6 +46,7 @@ class StagingPool:
         self._tensor: torch.Tensor | None = None
         self.view: memoryview = memoryview(b"")
         self.address = 0
+        self.watch = WriteWatch()  # which sources were written since this pool last staged them
 
     def ensure(self, nbytes: int, *, pinned: bool) -> None:
         if nbytes <= self.capacity and pinned == self.pinned:
@@ -89,6 +94,15 @@ class Copier:
     def __init__(self, pool: StagingPool, sources: list[torch.Tensor], start_event: Any = None) -> None:
         self.pool = pool
         self.sources = [_flat_bytes(t) for t in sources]
+        # per source: its live bytes' address range where writes to them can be watched (pagewrites.py):
+        # CPU memory the tensor itself owns (not a contiguous copy), not pinned (a device may write
+        # pinned pages by DMA, which no page table sees)
+        pinned = torch.cuda.is_available()
+        self.watchable = [
+            (f.data_ptr(), f.data_ptr() + f.numel())
+            if f.numel() and not t.is_cuda and f.data_ptr() == t.data_ptr() and not (pinned and t.is_pinned()) else None
+            for t, f in zip(sources, self.sources)
+        ]
         self.events: dict[int, Any] = {}
         self.stream = None
         devices = {t.device for t in sources if t.is_cuda}
@@ -97,9 +111,11 @@ class Copier:
             if start_event is not None:
                 self.stream.wait_event(start_event)
 
-    def copy(self, i: int, leaf: int, src_offset: int, pool_offset: int, length: int, *, compare: bool = False) -> bool:
+    def copy(self, i: int, leaf: int, src_offset: int, pool_offset: int, length: int, *, compare: bool = False,
+             pieces: list[tuple[int, int]] | None = None) -> bool:
         """Copy chunk i into the pool. With `compare`, a CPU chunk whose bytes the pool already holds
-        at `pool_offset` is left alone: returns True then (the bytes are the same), else False."""
+        at `pool_offset` is left alone: returns True then (the bytes are the same), else False.
+        `pieces` ((offset in the chunk, length)): only these can differ, so only these are compared."""
         src = self.sources[leaf]
         if src.is_cuda:
             with torch.cuda.stream(self.stream):
@@ -109,7 +125,7 @@ class Copier:
             self.events[i] = event
         else:
             dst, from_ = self.pool.address + pool_offset, src.data_ptr() + src_offset
-            if compare and _memcmp(dst, from_, length) == 0:
+            if compare and all(_memcmp(dst + o, from_ + o, n) == 0 for o, n in (pieces if pieces is not None else [(0, length)])):
                 return True
             ctypes.memmove(dst, from_, length)
         return False

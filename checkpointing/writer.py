@@ -24,6 +24,7 @@ from .merge import PartLeaf, RankPart, leaf_digest
 from .plan import PackPlan, write_spans
 from .reuse import Match, ReuseBase, choose_borrowed
 from .staging import Copier, StagingPool
+from .writewatch import written_pieces
 from .storage import LocalStorage
 from .tree import FlatState
 
@@ -66,6 +67,8 @@ class SaveJob:
     chunks_reused: int = 0
     chunks_total: int = 0
     keys: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # per placement (reuse.ReuseBase.keys)
+    watch_writes: bool = False  # ask the kernel which pages were written since the last save (writewatch.py)
+    bytes_unwritten: int = 0  # not written since the previous save: neither compared nor copied
 
     @property
     def stall_s(self) -> float:
@@ -138,6 +141,7 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     job.t_written = time.perf_counter()
     job.digests, job.refs = pack.digests, [pack.ref(i, pack_path) for i in range(len(plan.placements))]
     job.bytes_reused = sum(plan.placements[i].length for i in pack.borrowed)
+    job.bytes_unwritten = pack.bytes_unwritten
     job.chunks_reused, job.chunks_total = len(pack.borrowed), len(plan.placements)
     borrowed_files = tuple(sorted({job.refs[i].file for i in pack.borrowed}))  # type: ignore[union-attr]
     part_leaves = tuple(
@@ -183,6 +187,7 @@ class _PackWriter:
         self.same = [False] * n  # the pool already held these bytes (the base's), so they were not copied
         self.offsets: list[int | None] = [None] * n  # where each written chunk is in the file
         self.borrowed: list[int] = []  # placements taken from the base instead of written
+        self.bytes_unwritten = 0  # staging skipped these: the kernel saw no write to them since the last save
         self.digested = 0  # placements [0, digested) have digests
         self.written = 0  # ring mode: pack bytes handed to the stream
         self.file_bytes = 0  # bytes in the pack file
@@ -200,9 +205,16 @@ class _PackWriter:
     def stage(self) -> None:
         job, plan, ring = self.job, self.plan, self.plan.pool_bytes
         compare = self.base is not None and self.base.exact
-        if plan.eager_placements == 0:
+        watched = job.watch_writes and plan.pool_bytes >= plan.pack_bytes
+        eager = plan.eager_placements
+        # the scan comes after the eager copies, so that save() does not wait for it (unless all is eager)
+        scan_at = 0 if eager == len(plan.stage_order) else eager
+        written: list[list[tuple[int, int]] | None] | None = None
+        if eager == 0:
             job.eager_staged.set()
         for n, i in enumerate(plan.stage_order):
+            if watched and n == scan_at:
+                written = self._written(compare, {plan.placements[k].leaf for k in plan.stage_order[:n]})
             p = plan.placements[i]
             while p.pack_offset + p.length - self.written > ring:  # only with a ring: stage order is pack order
                 before = self.written
@@ -210,13 +222,30 @@ class _PackWriter:
                 self.write_upto(p.pack_offset)
                 if self.written == before:
                     raise RuntimeError(f"staging ring of {ring} bytes cannot hold chunk {p} (plan invariant broken)")
-            self.same[i] = self.copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length, compare=compare)
+            pieces = written[i] if written is not None else None  # the chunk's bytes in pages written since the base
+            self.same[i] = self.copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length, compare=compare, pieces=pieces)
+            if self.same[i] and pieces is not None:
+                self.bytes_unwritten += p.length - sum(length for _, length in pieces)
             if n + 1 == plan.eager_placements:
                 job.eager_event = self.copier.last_event()
                 job.eager_staged.set()
+        if watched:
+            self.pool.watch.completed()
         job.staged_event = self.copier.last_event()
         job.t_staged = time.perf_counter()
         job.staged.set()
+
+    def _written(self, compare: bool, staged: set[int]) -> list[list[tuple[int, int]] | None] | None:
+        """Scan the sources for writes since the previous save (always, so that the next save can
+        use it); per placement, its pieces in written pages (writewatch.written_pieces), only when
+        the pool holds the base's image (`compare`). Leaves in `staged` were copied before the scan:
+        a write between their copy and the scan would be hidden from the next save, so they are not
+        watched (buffers that forward changes, BatchNorm statistics)."""
+        sources = [None if n in staged else r for n, r in enumerate(self.copier.watchable)]
+        dirty = self.pool.watch.scan(self.plan, self.pool.allocations, sources)
+        if not compare:
+            return None
+        return written_pieces([(p.leaf, p.src_offset, p.length) for p in self.plan.placements], sources, dirty)
 
     def digest_upto(self, upto: int) -> None:
         placements, ring, base = self.plan.placements, self.plan.pool_bytes, self.base
