@@ -81,7 +81,7 @@ class BackgroundSaves:
                     self.storage.delete(part.file)  # nothing will ever reference this pack
                 raise
             job.t_committed = time.perf_counter()
-            if self.options.incremental and job.refs and job.plan.pool_bytes >= job.plan.pack_bytes:
+            if self.options.incremental and job.refs and not job.plan.ring:
                 self._base = base_after_save(job.plan, self._pool.allocations, job.manifest, job.manifest_digest,
                                              job.digests, job.refs, job.keys)
         except BaseException as exc:  # reported at the next save()/wait()

@@ -356,7 +356,7 @@ def _decode_chunk(obj: Any, where: str, k: int) -> ChunkRef:
     if isinstance(obj, list) and len(obj) == 4:
         file, offset, length, digest = obj
         if (type(offset) is int and offset >= 0 and type(length) is int and length >= 1 and type(digest) is str
-                and _DIGEST.fullmatch(digest) and type(file) is str and file in _checked_paths(file)):
+                and _DIGEST.fullmatch(digest) and type(file) is str and _safe_path(file)):
             return ChunkRef(file, offset, length, digest)
     where = f"{where} chunk {k}"
     if not isinstance(obj, list) or len(obj) != 4:
@@ -373,13 +373,13 @@ def _decode_chunk(obj: Any, where: str, k: int) -> ChunkRef:
 
 
 @functools.lru_cache(maxsize=4096)
-def _checked_paths(path: Any) -> frozenset[str]:
-    """{path} when it is a safe relative path (layout.check_relpath), else empty: chunks of one
-    manifest name a few files thousands of times."""
+def _safe_path(path: str) -> bool:
+    """layout.check_relpath, remembered: chunks of one manifest name a few files thousands of times."""
     try:
-        return frozenset((check_relpath(path),))
+        check_relpath(path)
     except ManifestError:
-        return frozenset()
+        return False
+    return True
 
 
 _LEAF_KEYS = {"value", "float", "bytes", "tensor", "ndarray"}

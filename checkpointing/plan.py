@@ -42,6 +42,11 @@ class PackPlan:
     region_ends: tuple[int, ...] = ()  # pack offset where each region ends
 
     @property
+    def ring(self) -> bool:
+        """A staging budget below the pack: staging streams it through the pool, which then is not the pack's image."""
+        return self.pool_bytes < self.pack_bytes
+
+    @property
     def data_bytes(self) -> int:
         return sum(p.length for p in self.placements)
 

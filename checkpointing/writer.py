@@ -102,7 +102,7 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     match = job.base.against(plan, pool.allocations, job.keys) if job.base is not None else None
     pack = _PackWriter(job, pool, write_block, match)
     base = job.base
-    ring = plan.pool_bytes < plan.pack_bytes  # a staging budget: staging writes the pack as it goes
+    ring = plan.ring  # staging writes the pack as it goes
     try:
         if ring:
             job.pin = gc.write_pin(storage, job.step, rank, job.token, [])
@@ -205,7 +205,7 @@ class _PackWriter:
     def stage(self) -> None:
         job, plan, ring = self.job, self.plan, self.plan.pool_bytes
         compare = self.base is not None and self.base.exact
-        watched = job.watch_writes and plan.pool_bytes >= plan.pack_bytes
+        watched = job.watch_writes and not plan.ring
         eager = plan.eager_placements
         # the scan comes after the eager copies, so that save() does not wait for it (unless all is eager)
         scan_at = 0 if eager == len(plan.stage_order) else eager
