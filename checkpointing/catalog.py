@@ -54,6 +54,11 @@ def read_commit(storage: Storage, step: int) -> CommitMarker:
 
 def load_manifest(storage: Storage, step: int) -> Manifest:
     """The committed manifest of `step`, its digest checked against the commit marker."""
+    return committed_manifest(storage, step)[0]
+
+
+def committed_manifest(storage: Storage, step: int) -> tuple[Manifest, str]:
+    """The committed manifest of `step` and the digest its commit marker names (checked)."""
     marker = read_commit(storage, step)
     where = f"{storage.url}/{marker.manifest}"
     try:
@@ -69,7 +74,7 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
     manifest = decode_manifest(data, where)
     if manifest.step != step:
         raise ManifestError(f"{where} is for step {manifest.step}, expected {step}")
-    return manifest
+    return manifest, digest
 
 
 def commit(storage: Storage, manifest: Manifest, token: str) -> str:

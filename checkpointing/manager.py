@@ -53,7 +53,7 @@ from .choose import choose_step
 from .restore import execute
 from .schedule import SaveSchedule
 from .retention import tier_states
-from .reuse import ReuseBase
+from .reuse import ReuseBase, base_after_restore
 from .staging import StagingPool
 from .storage import FsspecStorage, LocalStorage, open_storage
 from .tiering import Uploader, UploadJob, start_uploader
@@ -315,12 +315,25 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         plan, sources = plans[chosen]
         t0 = time.perf_counter()
         execute(plan, state, sources)
+        if self.options.incremental:  # the next save writes only what changed since this step
+            self._base = self._base_after_restore(chosen)
         origin = str(self.directory) if sources.local is not None else ""
         if sources.remote_bytes:
             origin += f"{' and ' if origin else ''}{self._remote_url()} ({sources.remote_bytes / 1e6:.1f} MB from the remote tier)"
         log.info("checkpointing: rank %d restored step %d (%.1f MB in the checkpoint) in %.3f s from %s",
                  self.rank, chosen, plan.manifest.nbytes / 1e6, time.perf_counter() - t0, origin or str(self.directory))
         return chosen
+
+    def _base_after_restore(self, step: int) -> ReuseBase | None:
+        """The restored step as the next save's base, from this rank's local tier; None when that tier
+        cannot serve it (not committed there, its manifest damaged). The save checks that the step is
+        still committed and its files still there before it takes any chunk from them."""
+        try:
+            manifest, digest = catalog.committed_manifest(self.storage, step)
+        except (CheckpointError, OSError) as exc:
+            log.debug("checkpointing: step %d cannot be the next save's base: %s", step, exc)
+            return None
+        return base_after_restore(manifest, digest, self.rank, self._coord.tiers[self.rank])
 
     def steps(self) -> list[int]:
         """Committed steps this rank can see, ascending: on its local tier, or on the remote tier."""

@@ -63,10 +63,6 @@ class _Register(ctypes.Structure):
     _fields_ = [("range", _Range), ("mode", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
 
 
-class _WriteProtect(ctypes.Structure):
-    _fields_ = [("range", _Range), ("mode", ctypes.c_uint64)]
-
-
 class _ScanArg(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
@@ -79,7 +75,6 @@ class _Region(ctypes.Structure):
 
 _UFFDIO_API = _iowr(0xAA, 0x3F, ctypes.sizeof(_Api))
 _UFFDIO_REGISTER = _iowr(0xAA, 0x00, ctypes.sizeof(_Register))
-_UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x06, ctypes.sizeof(_WriteProtect))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -149,26 +144,27 @@ class PageWatcher:
             except OSError as exc:
                 return self._refuse(start, end, exc)
 
-    def release(self, start: int, end: int) -> None:
-        """Stop protecting [start, end) (pages found written on every save cost a fault per page
-        for nothing). Their next scan reports them written."""
-        arg = _WriteProtect(_Range(start, end - start), 0)
+    def peek(self, start: int, end: int) -> list[tuple[int, int]] | None:
+        """The spans of [start, end) written since their previous scan, changing no protection (so it
+        is not a scan: `seq` stays). None where the range is not watched, or the kernel refused."""
+        assert start % PAGE == 0 and end % PAGE == 0 and start < end
         with self._lock:
             try:
-                self._ioctl(self._uffd, _UFFDIO_WRITEPROTECT, arg, "UFFDIO_WRITEPROTECT")
-            except OSError as exc:  # the mapping went away meanwhile: nothing is protected there
-                log.debug("write watch: unprotecting %#x-%#x failed: %s", start, end, exc)
+                return self._scan(start, end, protect=False)
+            except OSError as exc:
+                return self._refuse(start, end, exc)
 
     @staticmethod
     def _refuse(start: int, end: int, exc: OSError) -> None:
         log.debug("write watch: %#x-%#x is compared instead (%s)", start, end, exc)
         return None
 
-    def _scan(self, start: int, end: int) -> list[tuple[int, int]]:
+    def _scan(self, start: int, end: int, *, protect: bool = True) -> list[tuple[int, int]]:
         clean: list[tuple[int, int]] = []
         pos = start
+        flags = (_SCAN_WP_MATCHING if protect else 0) | _SCAN_CHECK_WPASYNC
         while pos < end:
-            arg = _ScanArg(ctypes.sizeof(_ScanArg), _SCAN_WP_MATCHING | _SCAN_CHECK_WPASYNC, pos, end, 0,
+            arg = _ScanArg(ctypes.sizeof(_ScanArg), flags, pos, end, 0,
                            ctypes.addressof(self._vec), _VEC, 0, 0, 0, 0, _IS_WRITTEN | _IS_PRESENT | _IS_SWAPPED)
             n = self._ioctl(self._pagemap, _PAGEMAP_SCAN, arg, "PAGEMAP_SCAN")
             for k in range(n):

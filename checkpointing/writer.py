@@ -22,7 +22,7 @@ from .dtypes import dtype_name
 from .manifest import ChunkRef, chunk_digest
 from .merge import PartLeaf, RankPart, leaf_digest
 from .plan import PackPlan, write_spans
-from .reuse import Match, ReuseBase, choose_borrowed
+from .reuse import Match, PlaceKey, ReuseBase, choose_borrowed, shard_place
 from .staging import Copier, StagingPool
 from .writewatch import written_pieces
 from .storage import LocalStorage
@@ -66,7 +66,7 @@ class SaveJob:
     bytes_reused: int = 0  # taken from earlier steps instead of written
     chunks_reused: int = 0
     chunks_total: int = 0
-    keys: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # per placement (reuse.ReuseBase.keys)
+    keys: list[PlaceKey] = dataclasses.field(default_factory=list)  # per placement (reuse.ReuseBase.keys)
     watch_writes: bool = False  # ask the kernel which pages were written since the last save (writewatch.py)
     bytes_unwritten: int = 0  # not written since the previous save: neither compared nor copied
 
@@ -111,8 +111,8 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
         pack.digest_upto(plan.pack_bytes)
         if not ring:
             job.pin = gc.write_pin(storage, job.step, rank, job.token, sorted(base.files) if base else [])
-            if base is not None and not gc.still_committed(storage, base.step, base.manifest_digest):
-                pack.borrowable = False  # the step was deleted meanwhile: its chunks may be gone
+            if base is not None and not (gc.still_committed(storage, base.step, base.manifest_digest) and _present(storage, base)):
+                pack.borrowable = False  # the step was deleted meanwhile, or lost a file: its chunks may be gone
             pack.open(storage.open_stream(pack_path))
         by_leaf = pack.placements_by_leaf()
         digests = [leaf_digest(dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape), [pack.digests[i] for i in by_leaf[n]])
@@ -157,10 +157,21 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     return RankPart(rank, pack_path, pack.file_bytes, job.flat.tree, part_leaves, borrowed)
 
 
-def placement_keys(job: SaveJob) -> list[tuple[str, int, int]]:
-    """Per placement: (tensor key, byte offset in the tensor, length): a chunk's place whatever the plan."""
+def _present(storage: LocalStorage, base: ReuseBase) -> bool:
+    """Every file the base's chunks are in is still there at its size (one stat per file)."""
+    try:
+        return all(storage.size(path) == entry.nbytes for path, entry in base.files.items())
+    except OSError:
+        return False
+
+
+def placement_keys(job: SaveJob) -> list[PlaceKey]:
+    """Per placement: (tensor key, where its shard starts (reuse.shard_place), byte offset in the
+    shard, length): a chunk's place whatever the plan, as a manifest also tells it
+    (reuse.base_after_restore)."""
     leaves = job.flat.leaves
-    return [(leaves[p.leaf].key, p.src_offset, p.length) for p in job.plan.placements]
+    shard = [shard_place(leaf.layout.offsets if leaf.layout else None) for leaf in leaves]
+    return [(leaves[p.leaf].key, shard[p.leaf], p.src_offset, p.length) for p in job.plan.placements]
 
 
 class _PackWriter:

@@ -16,11 +16,15 @@ the previous save scanned the same range. A watch therefore knows nothing on its
 a failure, when its plan or pool changed, or after any other scan in the process.
 
 Pages written on every save gain nothing and cost a minor fault per page per save (on the
-training thread). A source range found more than `HOT` written is therefore unprotected and left
-out of the next saves (compared instead), for a number of saves that doubles each time it is found
-hot again, up to `MAX_REST`: dense training settles to comparing, as without a watch, while the
-frozen part of a fine-tuned model is never read again. A range that cannot be watched (shared
-memory, a file mapping) is likewise asked again only after a doubling number of saves.
+training thread: about 0.2 s per GB here). A range is therefore protected whole only once a
+sample of it (its middle 1/`SAMPLE` of pages) stayed at most `HOT` written for one save interval;
+the sample is looked at with a peek, which changes no protection. A range found more than `HOT`
+written, whole or in its sample, is not protected again and is left out of the next saves
+(compared instead) for a number of saves that doubles each time it is found hot again, up to
+`MAX_REST`. Dense training thus faults on 1/`SAMPLE` of its pages a few times and settles to
+comparing, as without a watch, while the frozen part of a fine-tuned model is read on the first
+two saves and never again. A range that cannot be watched (shared memory, a file mapping) is
+likewise asked again only after a doubling number of saves.
 """
 
 from __future__ import annotations
@@ -35,12 +39,16 @@ from .pagewrites import page_span
 MIN_BYTES = 64 << 10  # smaller sources are compared: a scan costs more than reading them
 HOT = 0.25  # a range with more of its bytes written than this is left out for a while
 MAX_REST = 64  # saves a hot range is left out at most before it is scanned again
+SAMPLE = 16  # a range is protected whole only after its middle 1/SAMPLE stayed cool for one save
+
+Span = tuple[int, int]
 
 
 @dataclasses.dataclass
 class _Heat:
     rest: int = 0  # saves to go without scanning
     streak: int = 0  # consecutive scans that found the range hot
+    sample: Span | None = None  # the slice of it the previous save protected, to be looked at now
 
 
 class WriteWatch:
@@ -50,11 +58,11 @@ class WriteWatch:
         self._watcher = watcher
         # the last completed staging: (plan, pool generation, watcher.seq after its scan, the
         # (source index, page span) pairs it scanned and left protected)
-        self._done: tuple[Any, int, int, frozenset[tuple[int, tuple[int, int]]]] | None = None
-        self._pending: tuple[Any, int, int, frozenset[tuple[int, tuple[int, int]]]] | None = None
-        self._heat: dict[tuple[int, int], _Heat] = {}
+        self._done: tuple[Any, int, int, frozenset[tuple[int, Span]]] | None = None
+        self._pending: tuple[Any, int, int, frozenset[tuple[int, Span]]] | None = None
+        self._heat: dict[Span, _Heat] = {}
 
-    def scan(self, plan: Any, generation: int, sources: Sequence[tuple[int, int] | None]) -> list[list[tuple[int, int]] | None]:
+    def scan(self, plan: Any, generation: int, sources: Sequence[Span | None]) -> list[list[Span] | None]:
         """Per source of `plan` (its byte range [start, end), or None for one not to watch): the page
         spans written since this watch's previous completed staging with the same plan and pool
         allocation (`generation`), or None where that is unknown and every byte may have changed.
@@ -66,57 +74,95 @@ class WriteWatch:
         self._watcher = watcher
         pages = [None if s is None or s[1] - s[0] < MIN_BYTES else page_span(*s) for s in sources]
         present = {p for p in pages if p is not None}
-        wanted = sorted(p for p in present if self._wanted(p))
-        merged = merge_spans(wanted)
-        seq0 = watcher.seq
-        found: dict[tuple[int, int], list[tuple[int, int]] | None] = {}
-        k = 0
-        for lo, hi in merged:  # a page shared by two ranges is scanned once
-            spans = watcher.scan(lo, hi)
-            while k < len(wanted) and wanted[k][1] <= hi:  # both sorted: the ranges inside this span
-                p = wanted[k]
-                found[p] = None if spans is None else [(max(s, p[0]), min(e, p[1])) for s, e in spans if s < p[1] and e > p[0]]
-                k += 1
-        seq = watcher.seq
-        alone = seq == seq0 + len(merged)  # else another watch's scan came between two of these
-        # what the previous staging scanned tells what changed since only if no other scan came between
-        before = done[3] if done is not None and alone and done[2] == seq0 else frozenset()
-        known = {p for _, p in before}
-        kept = {p for p, spans in found.items() if spans is not None}
-        for p in found.keys() - kept:
-            self._rest(p)  # cannot be watched (shared memory, ...): asked again after a while
-        for p in kept & known:
-            if not self._cool(p, found[p]):  # type: ignore[arg-type]
-                watcher.release(*p)  # hot: left out of the next saves, and its next scan finds it all written
-                kept.discard(p)
         self._heat = {p: h for p, h in self._heat.items() if p in present}
-        self._pending = (plan, generation, seq, frozenset((n, p) for n, p in enumerate(pages) if alone and p in kept))
-        valid = done is not None and done[0] is plan and done[1] == generation
+        wanted = sorted(p for p in present if self._wanted(p))
+        seq0 = watcher.seq
+        before = done[3] if done is not None and done[2] == seq0 else frozenset()  # else: someone scanned since
+        known = {p for _, p in before}
+        samples = {p: h.sample for p in wanted if (h := self._heat.get(p)) is not None and h.sample is not None}
+        # the samples the previous save protected are only looked at (no protection changes): a hot
+        # one is left out for a while, a cool one has its whole range protected now
+        looked = _spans_of(watcher.peek, sorted(set(samples.values())))
+        whole, fresh = [], []
+        for p in wanted:
+            if p in known:
+                whole.append(p)  # protected whole last time, and cool then: scanned (protected again)
+            elif p not in samples or looked[samples[p]] is None:
+                fresh.append(p)  # new, back from a rest, or its mapping changed: sample it
+            elif self._cool(p, samples[p], looked[samples[p]]):  # type: ignore[arg-type]
+                whole.append(p)
+        slices = {p: _middle(p) for p in fresh}
+        targets = sorted(set(whole) | set(slices.values()))
+        merged = merge_spans(targets)
+        scanned = _spans_of(watcher.scan, targets, merged)
+        alone = watcher.seq == seq0 + len(merged)  # else another watch's scan came between two of these
+        found = {p: scanned[p] for p in whole}
+        # a range protected whole that has turned hot (a layer unfrozen) is left out from now on; its
+        # pages stay protected and cost one fault each at most, once
+        hot = {p for p in whole if p in known and found[p] is not None and not self._cool(p, p, found[p])}  # type: ignore[arg-type]
+        kept = {p for p in whole if found[p] is not None} - hot
+        for p in fresh:
+            if scanned[slices[p]] is not None:
+                self._heat.setdefault(p, _Heat()).sample = slices[p]
+        for p in {p for p in whole if found[p] is None} | {p for p in fresh if scanned[slices[p]] is None}:
+            self._rest(p)  # cannot be watched (shared memory, ...): asked again after a while
+        self._pending = (plan, generation, watcher.seq, frozenset((n, p) for n, p in enumerate(pages) if alone and p in kept))
+        valid = alone and done is not None and done[0] is plan and done[1] == generation
         return [found.get(p) if p is not None and valid and (n, p) in before else None for n, p in enumerate(pages)]
 
     def completed(self) -> None:
         """Every chunk of the scanned save is staged: the next save may rely on its scan."""
         self._done, self._pending = self._pending, None
 
-    def _wanted(self, span: tuple[int, int]) -> bool:
+    def _wanted(self, span: Span) -> bool:
         heat = self._heat.get(span)
         if heat is None or heat.rest == 0:
             return True
         heat.rest -= 1
         return False
 
-    def _cool(self, span: tuple[int, int], dirty: list[tuple[int, int]]) -> bool:
-        """Record a scan's finding; False when the range is hot and is left out for a while."""
-        if sum(e - s for s, e in dirty) <= HOT * (span[1] - span[0]):
+    def _cool(self, span: Span, looked: Span, dirty: list[Span]) -> bool:
+        """Record what a look at `looked` (the range, or its sample) found; False when the range is
+        hot and is left out for a while."""
+        heat = self._heat.get(span)
+        if heat is not None:
+            heat.sample = None
+        if sum(e - s for s, e in dirty) > HOT * (looked[1] - looked[0]):
+            self._rest(span)
+            return False
+        if looked == span:  # cool as a whole: its history is forgotten
             self._heat.pop(span, None)
-            return True
-        self._rest(span)
-        return False
+        return True
 
-    def _rest(self, span: tuple[int, int]) -> None:
+    def _rest(self, span: Span) -> None:
         heat = self._heat.setdefault(span, _Heat())
         heat.streak += 1
         heat.rest = min(2 ** heat.streak, MAX_REST)
+        heat.sample = None
+
+
+def _middle(span: Span) -> Span:
+    """The middle 1/SAMPLE of a page span's pages (at least one page): away from the edge pages that
+    a heap tensor shares with other objects."""
+    lo, hi = span
+    pages = (hi - lo) // pagewrites.PAGE
+    n = max(1, pages // SAMPLE)
+    start = lo + (pages - n) // 2 * pagewrites.PAGE
+    return start, start + n * pagewrites.PAGE
+
+
+def _spans_of(ask: Any, ranges: list[Span], merged: list[Span] | None = None) -> dict[Span, list[Span] | None]:
+    """`ask(lo, hi)` (a watcher's scan or peek) once per span of the merged, sorted `ranges` (a page
+    shared by two ranges is asked once); per range its written spans, or None if it cannot be watched."""
+    found: dict[tuple[int, int], list[tuple[int, int]] | None] = {}
+    k = 0
+    for lo, hi in merge_spans(ranges) if merged is None else merged:
+        spans = ask(lo, hi)
+        while k < len(ranges) and ranges[k][1] <= hi:  # both sorted: the ranges inside this span
+            p = ranges[k]
+            found[p] = None if spans is None else [(max(s, p[0]), min(e, p[1])) for s, e in spans if s < p[1] and e > p[0]]
+            k += 1
+    return found
 
 
 def merge_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

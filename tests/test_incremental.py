@@ -490,6 +490,49 @@ def test_frozen_base_metrics(tmp_path):
                (s.bytes_reused, s.chunks_reused, s.chunks_total, s.bytes_written)
 
 
+def test_the_first_save_after_a_restart_writes_only_what_changed(tmp_path):
+    """A new manager (a restarted job) restores the newest step; its first save takes the chunks
+    whose digests match the restored step's at the same place, and writes the rest, including a
+    change made through `.data` after the restore."""
+    ck, storage, net, opt, gen = new_run(tmp_path)
+    with CheckpointManager(ck, keep_local=1) as mgr:
+        snaps = save_steps(mgr, net, opt, gen, [1, 2])
+    frozen, before = frozen_bytes(net), data_files(storage, 2)
+    net2, opt2 = frozen_run(seed=777)  # the restarted process's fresh objects
+    with CheckpointManager(ck, keep_local=1) as mgr:
+        assert mgr.restore(state_of(net2, opt2, -1)) == 2
+        net2.base[0].weight.data[0, 0] += 1  # one frozen chunk changes behind the optimizer's back
+        snaps.update(save_steps(mgr, net2, opt2, gen, [3]))
+        first = mgr.stats()[-1]
+        edited = net2.base[0].weight.numel() * 4
+        assert first.bytes_reused == frozen - edited, first
+        assert first.bytes_written <= first.bytes_total - frozen + edited + 2 * PAGE, first
+        assert committed(storage) == [3] and data_files(storage, 3) & before  # step 2 retired, the base kept
+        restore_and_check(mgr, 3, snaps)
+        snaps.update(save_steps(mgr, net2, opt2, gen, [4]))  # and on as usual
+        assert mgr.stats()[-1].bytes_reused == frozen
+        restore_and_check(mgr, 4, snaps)
+        assert_all_verify(storage)
+
+
+def test_a_restored_step_missing_a_file_is_not_a_base(tmp_path):
+    """The restored step's pack file is removed behind the manager's back: the next save finds it
+    gone (one stat per base file, beside the commit check) and writes everything rather than refer
+    to bytes that are gone."""
+    ck, storage, net, opt, gen = new_run(tmp_path)
+    with CheckpointManager(ck, keep_local=None) as mgr:
+        snaps = save_steps(mgr, net, opt, gen, [1])
+    net2, opt2 = frozen_run(seed=3)
+    with CheckpointManager(ck, keep_local=None) as mgr:
+        assert mgr.restore(state_of(net2, opt2, -1)) == 1
+        for f in data_files(storage, 1):
+            os.remove(ck / f)
+        snaps.update(save_steps(mgr, net2, opt2, gen, [2]))
+        st = mgr.stats()[-1]
+        assert st.bytes_reused == 0 and st.bytes_written >= st.bytes_total, st
+        restore_and_check(mgr, 2, snaps)
+
+
 # ----------------------------------------------------------------------------- 4. reference-safe retention
 def test_keep_local_1_keeps_the_referenced_pack_until_nothing_uses_it(tmp_path, run_cli):
     ck, storage, net, opt, gen = new_run(tmp_path)
