@@ -133,6 +133,30 @@ def restore_one_rank(rank: int, world: int, directory: str, refs: str) -> bool:
     return True
 
 
+def restart_and_save(rank: int, world: int, directory: str, refs: str) -> dict[str, Any]:
+    """A restarted job at the same world size: fresh objects restore the newest step of 'rng' (model,
+    optimizer and the per-rank tensor), train a step and save step 5, whose first save takes the
+    unchanged frozen shards from the restored step; step 5 then restores bit-exactly."""
+    from checkpointing import CheckpointManager
+
+    model, opt = build(world, seed=55)
+    with CheckpointManager(f"{directory}/rng", keep_local=None, timeout_s=60) as mgr:
+        rng = torch.zeros(256)
+        assert mgr.restore({"model": model, "optim": opt, "rng": rng}) == 4
+        assert float(rng[0]) == 100 * rank + 4
+        train(model, opt, 1, rank=rank, start=60)
+        ref = full_state(model, opt)
+        if rank == 0:
+            torch.save(ref, f"{refs}/ref5.pt")
+        stats = _stats(mgr.save(5, {"model": model, "optim": opt, "rng": torch.full((256,), float(100 * rank + 5))}).wait())
+        model2, opt2 = build(world, seed=66)
+        rng2 = torch.zeros(256)
+        assert mgr.restore({"model": model2, "optim": opt2, "rng": rng2}, step=5) == 5
+        assert_same(torch.load(f"{refs}/ref5.pt"), full_state(model2, opt2))
+        assert float(rng2[0]) == 100 * rank + 5
+    return stats
+
+
 # ----------------------------------------------------------------------------- test 4: ranks, remote tier
 
 

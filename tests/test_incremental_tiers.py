@@ -122,6 +122,19 @@ def test_a_per_rank_tensor_does_not_cost_the_second_save_its_reuse(fsdp_run):
     verify_all(LocalStorage(directory / "rng"), [1, 2, 3, 4])
 
 
+def test_two_restarted_ranks_take_the_frozen_shards_from_the_restored_step(fsdp_run, tmp_path):
+    """New processes restore step 4 of the per-rank directory at the same world size; their first
+    save writes the trained head, not the frozen shards (matched by place and digest)."""
+    directory, refs, results = fsdp_run
+    frozen = _incremental.frozen_bytes()
+    stats = run_ranks(_incremental.restart_and_save, 2, str(directory), str(refs), tmp=tmp_path)
+    for rank, s in enumerate(stats):
+        first = results[rank]["rng"][0]
+        assert s["ok"] and s["step"] == 5, s
+        assert s["bytes_reused"] >= frozen // 2 * 0.9 and s["bytes_written"] < 0.25 * first["bytes_written"], (rank, s, first)
+    verify_all(LocalStorage(directory / "rng"), [1, 2, 3, 4, 5])
+
+
 # ----------------------------------------------------------------------------- single process + S3
 
 
