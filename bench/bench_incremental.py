@@ -25,6 +25,8 @@ at the same time; each round starts from the same seeded model/optimizer/data):
    whose bytes per save are within 10% of the smallest.
 4. Dense training: every parameter and AdamW state changes every step. Target: incremental within
    1.05 x full in both time and bytes (the cost of comparing before copying).
+   Fine-tuning and dense also run with each save waited for before training goes on (the save's
+   own cost, with no training step competing for the cores); their time targets are shown both ways.
 5. (--remote) Fine-tuning with a remote tier on an embedded moto S3: bytes uploaded per save.
 
 The loop: warm-up steps (the optimizer state exists), one untimed first save per mode (allocates
@@ -417,7 +419,7 @@ def _per_save_stats(res: dict, stats: list) -> None:
 
 
 def run_round(make, *, modes: tuple[str, ...], chunk_bytes: int, P, work: str, label: str,
-              remote: dict | None = None, verify: tuple[str, ...] = ()) -> dict:
+              remote: dict | None = None, verify: tuple[str, ...] = (), overlap: bool = True) -> dict:
     """One workload, one training loop, one manager per mode (each in a fresh directory), saving in
     turn: a save every `P.every` steps, in blocks of `P.block` saves of one mode, the modes' blocks
     taking turns, until each mode made `P.saves` timed saves. The first save of a block is not
@@ -428,7 +430,9 @@ def run_round(make, *, modes: tuple[str, ...], chunk_bytes: int, P, work: str, l
     after a mode's save, up to the next save, are that mode's training-thread time (its save's
     writing runs during them, and so do the faults its write watching causes). Before a save, the
     other modes' work still in flight is waited for (outside the timed steps; reported as
-    `bench_wait_s`), so that saves never overlap. Returns {mode: phase result}."""
+    `bench_wait_s`), so that saves never overlap. With `overlap` False each save is waited for
+    before training goes on (handle.wait(), not counted in the steps): the save's own cost, without
+    the training step competing for the cores. Returns {mode: phase result}."""
     t_round = now()
     cpu0 = C.cpu_snapshot()
     w = make()
@@ -468,6 +472,10 @@ def run_round(make, *, modes: tuple[str, ...], chunk_bytes: int, P, work: str, l
                     res[owner]["bench_wait_s"] += waited
                     t0 += waited
                     h = mgrs[owner].save(s, w.state(s))
+                    if not overlap:
+                        t_wait = now()
+                        h.wait()
+                        t0 += now() - t_wait
                     if counted and len(handles[owner]) < P.saves:
                         handles[owner].append(h)
                 if owner is not None:
@@ -519,13 +527,14 @@ def run_round(make, *, modes: tuple[str, ...], chunk_bytes: int, P, work: str, l
 
 
 def run_pair(make, P, work: str, label: str, chunk_bytes: int, remote: dict | None = None, verify: bool = True,
-             modes: tuple[str, ...] = ("incremental", "full")) -> dict:
+             modes: tuple[str, ...] = ("incremental", "full"), overlap: bool = True) -> dict:
     """`P.rounds` interleaved rounds, each from a fresh workload; the modes' turn order rotates per round."""
     phases: dict = {m: [] for m in modes}
     for r in range(P.rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         got = run_round(make, modes=order, chunk_bytes=chunk_bytes, P=P, work=work, label=f"{label}-r{r}",
-                        remote=remote, verify=tuple(m for m in order if m != "full") if verify and r == 0 else ())
+                        remote=remote, verify=tuple(m for m in order if m != "full") if verify and r == 0 else (),
+                        overlap=overlap)
         for m in modes:
             phases[m].append(got[m])
     return summarize(phases)
@@ -618,9 +627,12 @@ def scenario_finetune(P, work, remote=None, gb=None) -> dict:
     res.update(info)
     r = res["ratios"]
     if remote is None:
+        res["waited"] = run_pair(make, P, work, "ft-waited", P.chunk_bytes, verify=False, modes=("incremental", "compare", "full"),
+                                 overlap=False)
         res["targets"] = {
             "bytes_written": {"value": r["bytes_written"], "target": "<= 0.12", "met": _met(r["bytes_written"], 0.12)},
             "total_s": _time_target(r, 0.2),
+            "total_s_waited": _time_target(res["waited"]["ratios"], 0.2),
         }
     return res
 
@@ -632,11 +644,14 @@ def scenario_dense(P, work) -> dict:
     del w
     log(f"dense: {info['shape']}, {info['bytes'] / GB:.3f} GB")
     res = run_pair(make, P, work, "dense", P.chunk_bytes, modes=("incremental", "compare", "full"))
+    res["waited"] = run_pair(make, P, work, "dense-waited", P.chunk_bytes, verify=False, modes=("incremental", "compare", "full"),
+                             overlap=False)
     res.update(info)
     r = res["ratios"]
     res["targets"] = {
         "bytes_written": {"value": r["bytes_written"], "target": "<= 1.05", "met": _met(r["bytes_written"], 1.05)},
         "total_s": _time_target(r, 1.05),
+        "total_s_waited": _time_target(res["waited"]["ratios"], 1.05),
     }
     return res
 
@@ -722,6 +737,22 @@ def _mode_rows(res: dict, remote: bool = False) -> list:
     return L
 
 
+def _waited_rows(res: dict) -> list:
+    """The same scenario with each save waited for before training goes on (run_round overlap=False)."""
+    wt = res.get("waited")
+    if not wt:
+        return []
+    L = ["Each save waited for (`handle.wait()` right after `save()`): the save's own cost, with no training "
+         "step competing for the cores:\n"]
+    L += _mode_rows(wt) + [""]
+    r, rc = wt["ratios"], wt.get("ratios_compare")
+    L.append("| ratio to full, saves waited for | incremental (default) | compare every byte |\n|---|---:|---:|")
+    for k, label in (("total_s", "save -> durable (ratio of the medians [95% interval])"),
+                     ("total_s_paired", "save -> durable (median of the k-th saves' ratios [95% interval])")):
+        L.append(f"| {label} | {_with_interval(r, k)} | {_with_interval(rc, k) if rc else ''} |")
+    return L + [""]
+
+
 def _with_interval(r: dict, k: str) -> str:
     if r.get(k + "_lo") is None:
         return f3(r.get(k))
@@ -798,7 +829,7 @@ def markdown(res: dict) -> str:
                  f"Linear({sh['head_hidden']}, {sh['classes']}) trained with AdamW (batch {sh['batch']}); state "
                  f"{ft['bytes'] / GB:.3f} GB ({ft['bytes']} B), of which head params + AdamW state "
                  f"{ft['changed_bytes']} B = **{100 * ft['changed_share']:.2f}%**. chunk_bytes {size_name(P['chunk_bytes'])}.\n")
-        L += _mode_rows(ft) + [""] + _ratio_rows(ft) + [""]
+        L += _mode_rows(ft) + [""] + _ratio_rows(ft) + [""] + _waited_rows(ft)
         if fl:
             inc, full = ft["incremental"], ft["full"]
             share = ft["changed_share"]
@@ -865,7 +896,7 @@ def markdown(res: dict) -> str:
         L.append("### Dense training, every byte changes\n")
         L.append(f"{sh['layers']} x Linear({sh['d']}, {sh['d']}) all trained with AdamW (batch {sh['batch']}); state "
                  f"{de['bytes'] / GB:.3f} GB. chunk_bytes {size_name(P['chunk_bytes'])}.\n")
-        L += _mode_rows(de) + [""] + _ratio_rows(de) + [""]
+        L += _mode_rows(de) + [""] + _ratio_rows(de) + [""] + _waited_rows(de)
         if "restore_ok" in de["incremental"]:
             L.append(f"Restore check: {de['incremental']['restore_ok']}.\n")
     elif de:
@@ -889,9 +920,11 @@ def markdown(res: dict) -> str:
         s = sc[key]
         for k, t in s["targets"].items():
             met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-            fe = s.get("floor_estimate", {}).get("ratio") if k == "total_s" else None
+            fe = s.get("floor_estimate", {}).get("ratio") if k in ("total_s", "total_s_waited") else None
             value = f3(t["value"]) if t.get("lo") is None else f"{f3(t['value'])} [{f3(t['lo'])}, {f3(t['hi'])}]"
-            L.append(f"| {name} | {'bytes written / save' if k == 'bytes_written' else 'save -> durable (ratio of medians)'} | "
+            what = {"bytes_written": "bytes written / save", "total_s": "save -> durable, training on (ratio of medians)",
+                    "total_s_waited": "save -> durable, save waited for (ratio of medians)"}[k]
+            L.append(f"| {name} | {what} | "
                      f"{value} | {t['target']} | {met} | {f3(fe, 2) if fe is not None else ''} |")
     if res.get("problems"):
         L.append("\nProblems seen in this run:\n")

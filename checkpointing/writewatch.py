@@ -16,7 +16,7 @@ the previous save scanned the same range. A watch therefore knows nothing on its
 a failure, when its plan or pool changed, or after any other scan in the process.
 
 Pages written on every save gain nothing and cost a minor fault per page per save (on the
-training thread: about 0.2 s per GB here). A range is therefore protected whole only once a
+training thread: 0.1-0.25 s per GB here). A range is therefore protected whole only once a
 sample of it (its middle 1/`SAMPLE` of pages) stayed at most `HOT` written for one save interval;
 the sample is looked at with a peek, which changes no protection. A range found more than `HOT`
 written, whole or in its sample, is not protected again and is left out of the next saves
