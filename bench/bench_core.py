@@ -217,15 +217,8 @@ def measure_floors(tr: Trainer, out: str, reps: int) -> dict:
     del dst
 
     buf = C.aligned_buffer(C.BLOCK)
-    path = os.path.join(out, "floor.bin")
     for direct, key in ((True, "write_odirect_s"), (False, "write_buffered_s")):
-        ts = []
-        for _ in range(reps):
-            if os.path.exists(path):
-                os.remove(path)
-            C.fsync_dir(out)
-            ts.append(C.write_file(path, nbytes, buf, direct=direct))
-        res[key] = min(ts)
+        path, res[key] = C.best_write(out, nbytes, buf, reps, direct=direct)
     # reads of the (buffered-written) file
     cold_b, cold_d, warm = [], [], []
     for _ in range(reps):

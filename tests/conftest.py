@@ -13,3 +13,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """Call the `checkpointing` CLI in-process: run_cli("ls", path) -> (exit code, stdout + stderr)."""
+    from checkpointing.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+
+    def call(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return call

@@ -19,15 +19,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def run(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def call(*argv: str) -> tuple[int, str]:
-        code = main(list(argv))
-        out = capsys.readouterr()
-        return code, out.out + out.err
-
-    return call
+def run(run_cli):
+    return run_cli
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from _models import assert_tree_equal, child_env, clone_tree, step_dir_name
 from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointSaveError, catalog, gc, layout
-from checkpointing.cli import main as cli
 from checkpointing.metrics import read_jsonl
 from checkpointing.reuse import REWRITE_BELOW
 from checkpointing.storage import LocalStorage
@@ -140,18 +139,6 @@ def flip_byte(path: Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x5A]))
-
-
-@pytest.fixture
-def run_cli(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def call(*argv: str) -> tuple[int, str]:
-        code = cli(list(argv))
-        out = capsys.readouterr()
-        return code, out.out + out.err
-
-    return call
 
 
 # ----------------------------------------------------------------------------- 1. property: saves, changes, deletions
