@@ -75,8 +75,8 @@ import torch.nn.functional as F  # noqa: E402
 import _common as C  # noqa: E402
 from _common import now  # noqa: E402
 from checkpointing import CheckpointManager  # noqa: E402
-from checkpointing import pagewrites  # noqa: E402
-from checkpointing.staging import map_staging  # noqa: E402
+from checkpointing.save import pagewrites  # noqa: E402
+from checkpointing.save.staging import map_staging  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.getLogger("checkpointing").setLevel(logging.WARNING)

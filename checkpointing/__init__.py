@@ -9,8 +9,8 @@
                 mgr.save(step, state)   # returns after a memory copy; durable in the background
 """
 
-from .codecs import Codec, PickleCodec
-from .errors import (
+from checkpointing.state.codecs import Codec, PickleCodec
+from checkpointing.errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
@@ -21,9 +21,9 @@ from .errors import (
     ManifestError,
     StateError,
 )
-from .manager import CheckpointManager, SaveHandle
-from .metrics import SaveStats
-from .stateful import RNGState
+from checkpointing.manager import CheckpointManager, SaveHandle
+from checkpointing.observe.metrics import SaveStats
+from checkpointing.state.rng import RNGState
 
 __version__ = "0.1.0"
 

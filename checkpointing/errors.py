@@ -1,4 +1,8 @@
-"""One error hierarchy. Every message says what went wrong, where, and how to fix it."""
+"""One error hierarchy, rooted at CheckpointError. Every message says what went wrong, where, and how to fix it.
+
+Layer: the bottom of the package; imports nothing of it. The storage backends keep their
+translation of service errors (storage/retry.py: RemoteStorageError, itself a CheckpointError).
+"""
 
 from __future__ import annotations
 
@@ -73,3 +77,53 @@ class ManifestError(CheckpointCorruptError):
 
 class StateError(CheckpointError, TypeError):
     """The state passed to save() holds something that cannot be checkpointed."""
+
+
+class RanksFailedError(CheckpointError):
+    """A step failed on some ranks; `failures` maps each failing rank to its cause."""
+
+    def __init__(self, step: int, failures: dict[int, str]) -> None:
+        self.step = step
+        self.failures = dict(sorted(failures.items()))
+        causes = "; ".join(f"rank {r}: {c}" for r, c in self.failures.items())
+        super().__init__(f"step {step} failed on {len(self.failures)} rank(s): {causes}")
+
+
+class CoordinationTimeout(CheckpointError):
+    """A rank did not answer in time: it died, hangs, or is far slower than the others."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks or []  # the ranks that did not answer
+
+
+class CoordinationLost(CheckpointError):
+    """The torch.distributed store is unreachable (its host process is gone)."""
+
+
+class PeerFailed(CheckpointError):
+    """Another rank reported that its part of the step failed (this rank stops waiting for it)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} failed")
+        self.peer = rank
+
+
+class UploadRanksFailed(CheckpointError):
+    """The remote commit of a step was refused because some ranks failed; `failures` maps rank -> cause."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        super().__init__(f"{len(self.failures)} rank(s) failed: " + "; ".join(f"rank {r}: {c}" for r, c in self.failures.items()))
+
+
+class MergeError(CheckpointError):
+    """The ranks' reports of one save do not form one consistent manifest; `problems` lists why."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems[:20]) + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
+
+
+class CommitConflictError(CheckpointError):
+    """Another writer committed the same step on a tier first (its COMMIT names another manifest)."""

@@ -37,28 +37,30 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import catalog, gc, layout
-from .accounting import SaveAccounting
-from .assign import UNIQUE, LeafInfo, assign_regions
-from .codecs import Codec
-from .coordinator import LocalCoordinator, StoreCoordinator, new_namespace
-from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
-from .background import BackgroundSaves
-from .metrics import SaveStats
-from .loop import LoopHooks, StepScope  # noqa: F401 - StepScope is what mgr.step() returns
-from .options import DEFAULT_CHUNK_BYTES, ChangeDetection, ManagerOptions, SnapshotMode
-from .plan import PackPlan, plan_pack
-from .preemption import Preemption
-from .choose import choose_step
-from .restore import execute
-from .schedule import SaveSchedule
-from .retention import tier_states
-from .reuse import ReuseBase, base_after_restore
-from .staging import StagingPool
-from .storage import FsspecStorage, LocalStorage, open_storage
-from .tiering import Uploader, UploadJob, start_uploader
-from .tree import FlatState, flatten_state
-from .writer import SaveJob
+from checkpointing.tier import catalog
+from checkpointing.tier import collect
+from checkpointing.format import naming
+from checkpointing.observe.accounting import SaveAccounting
+from checkpointing.plan.assign import UNIQUE, LeafInfo, assign_regions
+from checkpointing.state.codecs import Codec
+from checkpointing.dist.coordinator import LocalCoordinator, StoreCoordinator, new_namespace
+from checkpointing.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
+from checkpointing.save.worker import BackgroundSaves
+from checkpointing.observe.metrics import SaveStats
+from checkpointing.training.loop import LoopHooks, StepScope  # noqa: F401 - StepScope is what mgr.step() returns
+from checkpointing.options import DEFAULT_CHUNK_BYTES, ChangeDetection, ManagerOptions, SnapshotMode
+from checkpointing.plan.pack import PackPlan, plan_pack
+from checkpointing.training.preemption import Preemption
+from checkpointing.restore.step_choice import choose_step
+from checkpointing.restore.planner import execute
+from checkpointing.plan.schedule import SaveSchedule
+from checkpointing.plan.retention import tier_states
+from checkpointing.plan.reuse import ReuseBase, base_after_restore
+from checkpointing.save.staging import StagingPool
+from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
+from checkpointing.save.uploader import Uploader, UploadJob, start_uploader
+from checkpointing.state.tree import FlatState, flatten_state
+from checkpointing.save.writer import SaveJob
 
 log = logging.getLogger("checkpointing")
 
@@ -188,7 +190,7 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
                                                      keep_remote=self.options.keep_remote, on_finish=self._upload_finished)
             self._uploads.extend(resumed)
         schedule = None if interval is None else SaveSchedule(interval, mtbf_s, follow=self.world_size == 1)
-        self._acct = SaveAccounting(self.directory / layout.METRICS_NAME, on_metrics=on_metrics, schedule=schedule,
+        self._acct = SaveAccounting(self.directory / naming.METRICS_NAME, on_metrics=on_metrics, schedule=schedule,
                                     replace=self._replace_stats)
         self._preemption: Preemption | None = None
         self._marks_steps = False  # should_save()/step() are called: safe points for an emergency save
@@ -208,8 +210,8 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
         t0 = time.perf_counter()
         wall = time.time()
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= layout.MAX_STEP:
-            raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{layout.MAX_STEP}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= naming.MAX_STEP:
+            raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{naming.MAX_STEP}")
         prev = self._current
         if prev is not None:
             prev.done.wait()
@@ -486,8 +488,8 @@ class CheckpointManager(BackgroundSaves, LoopHooks):
 
     def _remove_incomplete(self) -> None:
         """Saves that did not commit (this is the directory's one writer, so every pin is a crashed save's)."""
-        result = gc.collect(self.storage, pin_ttl_s=0)
-        for step in sorted({layout.parse_step_dir(g.path.split("/")[0]) for g in result.garbage if g.reason.startswith("incomplete")}):
+        result = collect.collect(self.storage, pin_ttl_s=0)
+        for step in sorted({naming.parse_step_dir(g.path.split("/")[0]) for g in result.garbage if g.reason.startswith("incomplete")}):
             log.info("checkpointing: removed incomplete step %d (a save that did not commit) from %s", step, self.directory)
         for p in result.problems:
             log.warning("checkpointing: not tidying %s: %s", self.directory, p)

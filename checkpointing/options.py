@@ -7,8 +7,8 @@ import math
 import signal
 from typing import Any, Callable, Literal, Mapping
 
-from .codecs import Codec
-from .errors import CheckpointConfigError
+from checkpointing.state.codecs import Codec
+from checkpointing.errors import CheckpointConfigError
 
 SnapshotMode = Literal["async", "eager"]
 ChangeDetection = Literal["auto", "compare"]
@@ -137,7 +137,7 @@ class ManagerOptions:
             )
 
     def _check_remote(self) -> None:
-        from .storage.retry import redact_url
+        from checkpointing.storage.retry import redact_url
 
         if self.remote is None:
             if self.storage_options:

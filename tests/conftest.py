@@ -18,7 +18,7 @@ def one_torch_thread():
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Call the `checkpointing` CLI in-process: run_cli("ls", path) -> (exit code, stdout + stderr)."""
-    from checkpointing.cli import main
+    from checkpointing.cli.app import main
 
     monkeypatch.setenv("COLUMNS", "250")
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointing.advice import advise, daly_interval, expected_lost_fraction, interval_to_steps, young_interval
+from checkpointing.plan.advice import advise, daly_interval, expected_lost_fraction, interval_to_steps, young_interval
 from checkpointing.errors import CheckpointConfigError
 
 DAY = 86400.0

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointing.assign import OTHER, PRIMARY, TIER, UNIQUE, LeafInfo, assign_regions
-from checkpointing.manifest import decode_manifest, encode_manifest
-from checkpointing.merge import MergeError, PartLeaf, RankPart, decode_part, encode_part, leaf_digest, merge_parts
+from checkpointing.plan.assign import OTHER, PRIMARY, TIER, UNIQUE, LeafInfo, assign_regions
+from checkpointing.format.manifest import decode_manifest, encode_manifest
+from checkpointing.format.rank_reports import MergeError, PartLeaf, RankPart, decode_part, encode_part, leaf_digest, merge_parts
 
 
 @st.composite

@@ -13,7 +13,7 @@ from s3_server import KEY, SECRET, client, s3_bucket, s3_endpoint  # noqa: F401 
 
 from _models import child_env
 from checkpointing import CheckpointManager, CheckpointUploadError
-from checkpointing.cli import _storage_options, main
+from checkpointing.cli.app import _storage_options, main
 
 MiB = 1 << 20
 

@@ -103,7 +103,7 @@ def test_node_local_tiers_hold_what_their_ranks_need(tmp_path, capsys):
         files = {c[0] for shard in table["shards"] for copy in [shard["chunks"], *shard.get("replicas", [])] for c in copy}
         assert any((base / node / f).exists() for f in files), node
     assert run_ranks(_dist.node_local_restore, 2, str(base), tmp=tmp_path) == ["restored 1", "restored 1"]
-    from checkpointing.cli import main as cli
+    from checkpointing.cli.app import main as cli
 
     for node in ("node0", "node1"):  # verify checks this tier's copies; the other node's shards are not damage
         assert cli(["verify", str(base / node)]) == 0
@@ -147,7 +147,7 @@ def test_torchrun_example_trains_resumes_and_reshards(tmp_path):
 
 def test_export_writes_full_tensors_of_a_sharded_step(saved, tmp_path):
     """`checkpointing export` on a 4-rank checkpoint: one file of unsharded tensors, loadable without pickle."""
-    from checkpointing.cli import main as cli
+    from checkpointing.cli.app import main as cli
 
     directory, ref_path, _ = saved[4]
     out = tmp_path / "full.pt"

@@ -13,10 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from checkpointing import (
-    CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointManager,
-    CheckpointMismatchError, CheckpointSaveError,
-)
+from checkpointing import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointMismatchError, CheckpointSaveError
 
 from _models import child_env, step_dir_name
 

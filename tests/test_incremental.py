@@ -1,6 +1,6 @@
 """Incremental saves in real training loops: a save writes only the chunks whose bytes changed and
-refers to the rest in earlier steps' pack files; deleting steps (keep_local, gc.delete_step,
-gc.apply_retention, `checkpointing gc`, a collector in another process running while the loop
+refers to the rest in earlier steps' pack files; deleting steps (keep_local, collect.delete_step,
+collect.apply_retention, `checkpointing gc`, a collector in another process running while the loop
 saves) never removes a file that a committed step references. Every check restores bit-exactly
 against clones taken when the step was saved."""
 
@@ -22,11 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _models import assert_tree_equal, child_env, clone_tree, step_dir_name
-from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointSaveError, catalog, gc, layout
-from checkpointing.metrics import read_jsonl
-from checkpointing.reuse import REWRITE_BELOW
+from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointSaveError
+from checkpointing.tier import catalog
+from checkpointing.tier import collect, pins
+from checkpointing.format import naming
+from checkpointing.observe.metrics import read_jsonl
+from checkpointing.plan.reuse import REWRITE_BELOW
 from checkpointing.storage import LocalStorage
-from checkpointing.verify import verify_step
+from checkpointing.tier.verify import verify_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -124,7 +127,7 @@ def files_on_disk(root) -> set[str]:
 
 
 def own_dir(step: int) -> str:
-    return layout.step_dir(step) + "/"
+    return naming.step_dir(step) + "/"
 
 
 def assert_all_verify(storage) -> None:
@@ -175,9 +178,9 @@ save_op = st.tuples(
     st.booleans(),  # wait for the save before going on
 )
 other_op = st.one_of(
-    st.tuples(st.just("delete"), st.integers(0, 50)),  # gc.delete_step of the i-th committed step
-    st.tuples(st.just("retain"), st.integers(1, 3)),  # gc.apply_retention(keep)
-    st.just(("collect",)),  # gc.collect (what `checkpointing gc --min-age-s 0` runs)
+    st.tuples(st.just("delete"), st.integers(0, 50)),  # collect.delete_step of the i-th committed step
+    st.tuples(st.just("retain"), st.integers(1, 3)),  # collect.apply_retention(keep)
+    st.just(("collect",)),  # collect.collect (what `checkpointing gc --min-age-s 0` runs)
     st.just(("reopen",)),  # a new manager on the same directory (no reuse base)
 )
 
@@ -249,14 +252,14 @@ def test_random_saves_and_deletions_restore_every_committed_step(ops, last, keep
                     steps = committed(storage)
                     if steps:
                         victim = steps[op[1] % len(steps)]
-                        gc.delete_step(storage, victim)
+                        collect.delete_step(storage, victim)
                         expected.remove(victim)
                 elif op[0] == "retain":
-                    retired = gc.apply_retention(storage, op[1])
+                    retired = collect.apply_retention(storage, op[1])
                     assert retired == expected[: max(0, len(expected) - op[1])]
                     expected = expected[len(retired):]
                 elif op[0] == "collect":
-                    result = gc.collect(storage, min_age_s=0)
+                    result = collect.collect(storage, min_age_s=0)
                     assert not result.problems and not result.pinned, result
                 else:
                     mgr.close()
@@ -268,10 +271,10 @@ def test_random_saves_and_deletions_restore_every_committed_step(ops, last, keep
             assert committed(storage) == expected
 
             # a full collection leaves exactly what the committed steps reference
-            result = gc.collect(storage, min_age_s=0)
+            result = collect.collect(storage, min_age_s=0)
             assert not result.problems, result
             referenced = set().union(*(data_files(storage, s) for s in expected)) if expected else set()
-            metadata = {n for s in expected for n in (layout.commit_name(s), catalog.read_commit(storage, s).manifest)}
+            metadata = {n for s in expected for n in (naming.commit_name(s), catalog.read_commit(storage, s).manifest)}
             assert files_on_disk(d) == referenced | metadata
             assert sorted(p.name for p in Path(d).glob("step-*")) == sorted({f.split("/")[0] for f in referenced | metadata})
 
@@ -591,8 +594,8 @@ def test_keep_local_1_keeps_the_referenced_pack_until_nothing_uses_it(tmp_path, 
 GC_CHILD = textwrap.dedent(
     """
     import os, sys, traceback
-    from checkpointing import gc
-    from checkpointing.cli import main
+    from checkpointing.tier import collect
+    from checkpointing.cli.app import main
     from checkpointing.storage import LocalStorage
 
     d, ready, stop = sys.argv[1:4]
@@ -605,8 +608,8 @@ GC_CHILD = textwrap.dedent(
                 code = main(["gc", d, "--min-age-s", "0"])
                 assert code == 0, f"checkpointing gc exited {code}"
             else:
-                gc.collect(storage, min_age_s=0)
-            gc.apply_retention(storage, 2)
+                collect.collect(storage, min_age_s=0)
+            collect.apply_retention(storage, 2)
         except Exception:
             errors += 1
             traceback.print_exc()
@@ -624,7 +627,7 @@ def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
     ck.mkdir()
     storage = LocalStorage(ck, direct=False)
     ready, stop = tmp_path / "ready", tmp_path / "stop"
-    out, err = open(tmp_path / "gc.out", "w+"), open(tmp_path / "gc.err", "w+")
+    out, err = open(tmp_path / "collect.out", "w+"), open(tmp_path / "collect.err", "w+")
     child = subprocess.Popen([sys.executable, "-c", GC_CHILD, str(ck), str(ready), str(stop)],
                              env=child_env(), stdout=out, stderr=err)
     problems: list[str] = []
@@ -653,7 +656,7 @@ def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
                         except CheckpointError:  # retired between the listing and the read
                             continue
                         report = verify_step(storage, s)
-                        if not report.ok and gc.still_committed(storage, s, marker.manifest_digest):
+                        if not report.ok and pins.still_committed(storage, s, marker.manifest_digest):
                             problems.append(f"committed step {s} is damaged: {report.problems[:2]}")
                 step += 1
                 prev = mgr.save(step, state_of(net, opt, step))
@@ -694,24 +697,24 @@ def test_a_pin_protects_an_old_file_until_it_is_removed(tmp_path, run_cli):
         mgr.save(1, state_of(net, opt, 1)).wait()
     [old] = data_files(storage, 1)
     marker = catalog.read_commit(storage, 1)
-    assert gc.still_committed(storage, 1, marker.manifest_digest)
+    assert pins.still_committed(storage, 1, marker.manifest_digest)
 
     # a save of step 2 in flight takes chunks from step 1's pack: its pin names the file
-    pin = gc.write_pin(storage, 2, 0, layout.new_token(), [old])
-    result = gc.collect(storage, retire=[1])
+    pin = pins.write_pin(storage, 2, 0, naming.new_token(), [old])
+    result = collect.collect(storage, retire=[1])
     assert result.retired == [1] and result.pinned == [2] and result.kept == {1: 1}, result
-    assert not gc.still_committed(storage, 1, marker.manifest_digest)
+    assert not pins.still_committed(storage, 1, marker.manifest_digest)
     assert (ck / old).is_file() and committed(storage) == []
     assert files_on_disk(ck) == {old, pin}
     code, out = run_cli("gc", str(ck), "--min-age-s", "0")  # default --pin-ttl-s: the pin holds
     assert code == 0 and "left step 2: a save in flight pins it" in out, out
     assert files_on_disk(ck) == {old, pin}
     # a pin younger than the TTL holds; a zero TTL takes it for a crashed writer's
-    assert gc.collect(storage, pin_ttl_s=3600).garbage == []
+    assert collect.collect(storage, pin_ttl_s=3600).garbage == []
     assert (ck / old).is_file()
 
-    gc.remove_pin(storage, pin)  # the save failed (or committed without using step 1)
-    result = gc.collect(storage)
+    pins.remove_pin(storage, pin)  # the save failed (or committed without using step 1)
+    result = collect.collect(storage)
     assert {g.path for g in result.garbage} == {old}
     assert files_on_disk(ck) == set() and not list(ck.glob("step-*"))
 
@@ -719,8 +722,8 @@ def test_a_pin_protects_an_old_file_until_it_is_removed(tmp_path, run_cli):
     with CheckpointManager(ck, keep_local=None) as mgr:
         mgr.save(3, state_of(net, opt, 3)).wait()
     [old3] = data_files(storage, 3)
-    pin = gc.write_pin(storage, 4, 0, layout.new_token(), [old3])
-    gc.collect(storage, retire=[3])
+    pin = pins.write_pin(storage, 4, 0, naming.new_token(), [old3])
+    collect.collect(storage, retire=[3])
     assert (ck / old3).is_file()
     code, out = run_cli("gc", str(ck), "--min-age-s", "0", "--pin-ttl-s", "0")
     assert code == 0 and "pin of a crashed save" in out, out
@@ -729,17 +732,17 @@ def test_a_pin_protects_an_old_file_until_it_is_removed(tmp_path, run_cli):
 
 def test_base_step_deleted_between_two_saves(tmp_path):
     """The manager's previous step is deleted by someone else: the next save takes nothing from it
-    (gc.still_committed is False) and references no file that is gone."""
+    (pins.still_committed is False) and references no file that is gone."""
     ck, storage, net, opt, gen = new_run(tmp_path)
     with CheckpointManager(ck, keep_local=None) as mgr:
         snaps = save_steps(mgr, net, opt, gen, (1, 2))
         [pack1] = [f for f in data_files(storage, 1)]
         assert pack1 in data_files(storage, 2)  # step 2 took the frozen base from step 1's pack
         marker2 = catalog.read_commit(storage, 2)
-        gc.delete_step(storage, 1)
+        collect.delete_step(storage, 1)
         assert (ck / pack1).is_file()  # step 2 still references it
-        gc.delete_step(storage, 2)  # the manager's base
-        assert not gc.still_committed(storage, 2, marker2.manifest_digest)
+        collect.delete_step(storage, 2)  # the manager's base
+        assert not pins.still_committed(storage, 2, marker2.manifest_digest)
         assert not (ck / pack1).exists() and not list(ck.glob("step-*"))
 
         train_step(net, opt, gen)
@@ -753,7 +756,7 @@ def test_base_step_deleted_between_two_saves(tmp_path):
         snaps[4] = snapshot(net, opt, 4)
         assert st4.bytes_reused == frozen_bytes(net), st4
         # retiring step 3 while step 4 is the base: the next save may take step 3's chunks via 4
-        gc.delete_step(storage, 3)
+        collect.delete_step(storage, 3)
         train_step(net, opt, gen)
         st5 = mgr.save(5, state_of(net, opt, 5)).wait()
         snaps[5] = snapshot(net, opt, 5)
@@ -765,7 +768,7 @@ def test_base_step_deleted_between_two_saves(tmp_path):
 
 
 class CommitsDuringCollect(LocalStorage):
-    """The real local tier; when a collector has listed `step`'s files (G2 in gc.py) and before
+    """The real local tier; when a collector has listed `step`'s files (G2 in collect.py) and before
     it reads the pins (G3), the writer of `step` commits and removes its pin, as
     background.BackgroundSaves._run does right after a commit."""
 
@@ -775,12 +778,12 @@ class CommitsDuringCollect(LocalStorage):
 
     def list(self, prefix: str = "") -> list[str]:
         names = super().list(prefix)
-        if prefix == layout.step_dir(self.step) and not self.fired:
+        if prefix == naming.step_dir(self.step) and not self.fired:
             self.listed += 1
             if self.listed == 2:  # list_steps() saw no COMMIT, G2 listed the files: now commit
                 self.fired = True
-                self.put(layout.commit_name(self.step), self.commit, exclusive=True)
-                gc.remove_pin(self, self.pin)
+                self.put(naming.commit_name(self.step), self.commit, exclusive=True)
+                pins.remove_pin(self, self.pin)
         return names
 
 
@@ -792,14 +795,14 @@ def test_a_step_committing_while_gc_runs_keeps_its_files(tmp_path):
         snaps = save_steps(mgr, net, opt, gen, (1, 2))
     files2 = data_files(storage, 2)
     assert any(f.startswith(own_dir(1)) for f in files2)  # step 2 takes the base from step 1's pack
-    gc.delete_step(storage, 1)
+    collect.delete_step(storage, 1)
     # back to the moment before step 2's COMMIT: its pin names the earlier file it takes chunks from
-    commit = (ck / layout.commit_name(2)).read_bytes()
-    (ck / layout.commit_name(2)).unlink()
-    pin = gc.write_pin(storage, 2, 0, layout.new_token(), sorted(f for f in files2 if not f.startswith(own_dir(2))))
+    commit = (ck / naming.commit_name(2)).read_bytes()
+    (ck / naming.commit_name(2)).unlink()
+    pin = pins.write_pin(storage, 2, 0, naming.new_token(), sorted(f for f in files2 if not f.startswith(own_dir(2))))
 
     racing = CommitsDuringCollect(ck, 2, commit, pin)
-    gc.collect(racing, min_age_s=0)
+    collect.collect(racing, min_age_s=0)
     assert racing.fired, "the collector never listed step 2's files twice"
     assert committed(storage) == [2]
     report = verify_step(storage, 2)
@@ -877,12 +880,12 @@ def test_ls_json_splits_each_step_into_new_unique_shared(tmp_path, run_cli):
         assert r["unique"] == head, r
     assert got[1]["new"] == total and all(got[s]["new"] == head for s in (2, 3, 4))
 
-    gc.delete_step(storage, 1)
+    collect.delete_step(storage, 1)
     got = rows()
     assert got[1]["state"] == "retired" and "stored" not in got[1]
     assert all((got[s]["new"], got[s]["shared"], got[s]["unique"]) == (head, frozen, head) for s in (2, 3, 4)), got
-    gc.delete_step(storage, 2)
-    gc.delete_step(storage, 3)
+    collect.delete_step(storage, 2)
+    collect.delete_step(storage, 3)
     got = rows()
     assert sorted(got) == [1, 4] and got[1]["state"] == "retired"
     assert (got[4]["stored"], got[4]["new"], got[4]["unique"], got[4]["shared"]) == (total, head, total, 0), got[4]

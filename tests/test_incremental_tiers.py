@@ -22,9 +22,11 @@ from s3_server import s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 
 import _incremental
 from _dist import run_ranks
-from checkpointing import CheckpointManager, CheckpointUploadError, catalog, layout
+from checkpointing import CheckpointManager, CheckpointUploadError
+from checkpointing.tier import catalog
+from checkpointing.format import naming
 from checkpointing.storage import LocalStorage, RetryPolicy, open_storage
-from checkpointing.verify import verify_step
+from checkpointing.tier.verify import verify_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,11 +51,11 @@ def files_of(storage, step: int) -> set[str]:
 
 def earlier_files(storage, step: int) -> set[str]:
     """The files `step` references outside its own directory (earlier steps' packs)."""
-    return {f for f in files_of(storage, step) if not f.startswith(layout.step_dir(step) + "/")}
+    return {f for f in files_of(storage, step) if not f.startswith(naming.step_dir(step) + "/")}
 
 
 def packs_on_disk(root: Path, but: int) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.glob("step-*/*.pack") if p.parent.name != layout.step_dir(but)}
+    return {str(p.relative_to(root)) for p in root.glob("step-*/*.pack") if p.parent.name != naming.step_dir(but)}
 
 
 # ----------------------------------------------------------------------------- 1. two ranks, FSDP2, shared local directories
@@ -99,10 +101,10 @@ def test_two_ranks_write_only_what_changed_and_every_step_restores(fsdp_run, tmp
     one = LocalStorage(one_root)
     verify_all(one, [4])
     needed = earlier_files(one, 4)
-    assert needed and all(f.startswith(layout.step_dir(1) + "/") for f in needed), needed
+    assert needed and all(f.startswith(naming.step_dir(1) + "/") for f in needed), needed
     assert packs_on_disk(one_root, but=4) == needed
-    assert not (one_root / layout.step_dir(1) / layout.COMMIT_NAME).exists()
-    assert not (one_root / layout.step_dir(2)).exists() and not (one_root / layout.step_dir(3)).exists()
+    assert not (one_root / naming.step_dir(1) / naming.COMMIT_NAME).exists()
+    assert not (one_root / naming.step_dir(2)).exists() and not (one_root / naming.step_dir(3)).exists()
 
     # resharded: the same checkpoints restored on one rank (FSDP2 over a 1-rank mesh)
     assert run_ranks(_incremental.restore_one_rank, 1, str(directory), str(refs), tmp=tmp_path) == [True]
@@ -250,9 +252,9 @@ def test_remote_uploads_only_new_files_and_restores_from_the_remote_alone(tmp_pa
     verify_all(remote, [3, 4])
     step1_packs = earlier_files(remote, 4)
     assert step1_packs and earlier_files(remote, 3) == step1_packs
-    assert all(f.startswith(layout.step_dir(1) + "/") for f in step1_packs), step1_packs
-    assert remote.list(layout.step_dir(1)) == sorted(Path(f).name for f in step1_packs)  # no COMMIT, no manifest
-    assert remote.list(layout.step_dir(2)) == []
+    assert all(f.startswith(naming.step_dir(1) + "/") for f in step1_packs), step1_packs
+    assert remote.list(naming.step_dir(1)) == sorted(Path(f).name for f in step1_packs)  # no COMMIT, no manifest
+    assert remote.list(naming.step_dir(2)) == []
     assert catalog.list_steps(LocalStorage(local)).committed == [4]
     assert packs_on_disk(local, but=4) == earlier_files(LocalStorage(local), 4) == step1_packs
 
@@ -273,7 +275,7 @@ def test_the_upload_after_a_failed_one_sends_the_files_the_remote_tier_lacks(tmp
         refs[1] = run.snapshot()
         first = mgr.save(1, run.state()).wait()
         # step 2 changes `extra` (kept as it is from then on); its upload is refused for good
-        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1, path=f"*{layout.step_dir(2)}/*"))
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1, path=f"*{naming.step_dir(2)}/*"))
         run.extra.add_(1.5)
         run.train()
         refs[2] = run.snapshot()
@@ -289,8 +291,8 @@ def test_the_upload_after_a_failed_one_sends_the_files_the_remote_tier_lacks(tmp
         assert third.ok and third.tier == "local+remote", third
     local_storage = LocalStorage(local)
     earlier = earlier_files(local_storage, 3)
-    step2 = {f for f in earlier if f.startswith(layout.step_dir(2) + "/")}
-    step1 = {f for f in earlier if f.startswith(layout.step_dir(1) + "/")}
+    step2 = {f for f in earlier if f.startswith(naming.step_dir(2) + "/")}
+    step1 = {f for f in earlier if f.startswith(naming.step_dir(1) + "/")}
     assert step2 and step1, earlier
     step2_bytes = sum(f.primary_bytes for f in catalog.load_manifest(local_storage, 3).files if f.path in step2)
     assert step2_bytes >= run.extra.numel() * 4
@@ -329,9 +331,9 @@ def test_two_ranks_incremental_with_a_remote_tier_restore_from_the_remote_alone(
         assert r["fresh_tiers"] == {2: "remote", 3: "remote"}, r["fresh_tiers"]
         assert r["restored"] and all("from the remote tier" in line for line in r["restored"]), r["restored"]
         # keep_local=1: the node keeps step 3 and the step-1 pack it refers to
-        assert {p.split("/")[0] for p in r["local_packs"]} <= {layout.step_dir(1), layout.step_dir(3)}, r["local_packs"]
+        assert {p.split("/")[0] for p in r["local_packs"]} <= {naming.step_dir(1), naming.step_dir(3)}, r["local_packs"]
     total = sum(r["stats"][0]["bytes_uploaded"] for r in results)
     later = [sum(r["stats"][i]["bytes_uploaded"] for r in results) for i in (1, 2)]
     assert all(n < 0.2 * total for n in later), (total, later)
-    assert earlier_files(remote, 3) and all(f.startswith(layout.step_dir(1) + "/") for f in earlier_files(remote, 3))
+    assert earlier_files(remote, 3) and all(f.startswith(naming.step_dir(1) + "/") for f in earlier_files(remote, 3))
     assert earlier_files(remote, 2) == earlier_files(remote, 3)

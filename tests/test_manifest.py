@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from checkpointing import layout
-from checkpointing.dtypes import BY_NAME, itemsize
+from checkpointing.format import naming
+from checkpointing.format.dtypes import BY_NAME, itemsize
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, ManifestError
-from checkpointing.manifest import (
+from checkpointing.format.manifest import (
     CHUNK_DIGEST,
     FORMAT_VERSION,
     MAX_TREE_DEPTH,
@@ -40,7 +40,7 @@ from checkpointing.manifest import (
     encode_manifest,
     manifest_digest,
 )
-from checkpointing.manifest import chunk_digest
+from checkpointing.format.manifest import chunk_digest
 
 GOLDEN = Path(__file__).parent / "golden"
 WHERE = "WHERE:/ckpt/step-0000000007/manifest.json"
@@ -52,8 +52,8 @@ ROUNDTRIP = settings(max_examples=120, deadline=None, suppress_health_check=[Hea
 # ---------------------------------------------------------------- the fixed golden manifest
 
 TOKEN = "0123456789ab"
-PACK = layout.pack_name(7, 0, TOKEN)
-PACK1 = layout.pack_name(7, 1, TOKEN)
+PACK = naming.pack_name(7, 0, TOKEN)
+PACK1 = naming.pack_name(7, 1, TOKEN)
 
 
 def _chunk(offset: int, length: int, seed: int, file: str = PACK) -> ChunkRef:
@@ -135,7 +135,7 @@ def golden_manifest() -> Manifest:
 
 def golden_commit() -> CommitMarker:
     data = encode_manifest(golden_manifest())
-    return CommitMarker(7, layout.manifest_name(7, TOKEN), manifest_digest(data))
+    return CommitMarker(7, naming.manifest_name(7, TOKEN), manifest_digest(data))
 
 
 def _write_golden() -> None:  # run once by hand: UPDATE_GOLDEN=1 pytest tests/test_manifest.py
@@ -303,7 +303,7 @@ def manifests(draw) -> Manifest:
         tier = draw(st.text(alphabet="abcXYZ019_-", max_size=64))
         files.append(FileEntry(path, draw(st.integers(0, world_size - 1)), tier, nbytes, draw(st.integers(0, nbytes))))
     return Manifest(
-        step=draw(st.integers(0, layout.MAX_STEP)),
+        step=draw(st.integers(0, naming.MAX_STEP)),
         trees=trees,
         tensors=tensors,
         world_size=world_size,
@@ -314,7 +314,7 @@ def manifests(draw) -> Manifest:
 
 commits = st.builds(
     lambda step, path, h: CommitMarker(step, path, "sha256:" + h.hex()),
-    st.integers(0, layout.MAX_STEP),
+    st.integers(0, naming.MAX_STEP),
     relpath,
     st.binary(min_size=32, max_size=32),
 )
@@ -691,12 +691,12 @@ def test_newer_format_version_message_says_upgrade():
     assert "upgrade" in str(err)
 
 
-# ---------------------------------------------------------------- layout.check_relpath
+# ---------------------------------------------------------------- naming.check_relpath
 
 
 def test_check_relpath_accepts_the_layout_names():
-    for p in (layout.pack_name(0, 0, "abc"), layout.manifest_name(layout.MAX_STEP, layout.new_token()), layout.commit_name(3)):
-        assert layout.check_relpath(p) == p
+    for p in (naming.pack_name(0, 0, "abc"), naming.manifest_name(naming.MAX_STEP, naming.new_token()), naming.commit_name(3)):
+        assert naming.check_relpath(p) == p
 
 
 @pytest.mark.parametrize(
@@ -706,7 +706,7 @@ def test_check_relpath_accepts_the_layout_names():
 )
 def test_check_relpath_rejects(bad):
     with pytest.raises(ManifestError) as info:
-        layout.check_relpath(bad, what="WHAT")
+        naming.check_relpath(bad, what="WHAT")
     assert "WHAT" in str(info.value)
 
 
@@ -717,7 +717,7 @@ path_alphabet = st.sampled_from(["a", "Z", "0", "_", "-", ".", "..", "/", "//", 
 @given(st.lists(path_alphabet, max_size=12).map("".join) | st.text(max_size=40))
 def test_check_relpath_never_accepts_escaping_paths(path):
     try:
-        out = layout.check_relpath(path)
+        out = naming.check_relpath(path)
     except ManifestError as exc:
         assert str(exc).strip()
         return
@@ -735,23 +735,23 @@ def test_check_relpath_never_accepts_escaping_paths(path):
 def test_check_relpath_accepts_plain_segments(segments):
     path = "/".join(segments)
     assume(len(path) <= 1024)
-    assert layout.check_relpath(path) == path
+    assert naming.check_relpath(path) == path
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, layout.MAX_STEP))
+@given(st.integers(0, naming.MAX_STEP))
 def test_step_dir_roundtrip(step):
-    name = layout.step_dir(step)
-    assert layout.parse_step_dir(name) == step
-    assert layout.check_relpath(layout.commit_name(step))
+    name = naming.step_dir(step)
+    assert naming.parse_step_dir(name) == step
+    assert naming.check_relpath(naming.commit_name(step))
 
 
-@pytest.mark.parametrize("step", [-1, layout.MAX_STEP + 1])
+@pytest.mark.parametrize("step", [-1, naming.MAX_STEP + 1])
 def test_step_dir_out_of_range(step):
     with pytest.raises(ValueError):
-        layout.step_dir(step)
+        naming.step_dir(step)
 
 
 @pytest.mark.parametrize("name", ["step-1", "step-00000000001", "step-000000000a", "xstep-0000000001", "step-0000000001.tmp", "step-0000000001\n"])
 def test_parse_step_dir_rejects(name):
-    assert layout.parse_step_dir(name) is None
+    assert naming.parse_step_dir(name) is None

@@ -22,9 +22,10 @@ import torch
 
 from _dist import run_ranks
 from _models import CrashNet, child_env, crash_const, crash_expected
-from checkpointing import CheckpointConfigError, CheckpointManager, advice
-from checkpointing.cli import main
-from checkpointing.schedule import SaveSchedule
+from checkpointing import CheckpointConfigError, CheckpointManager
+from checkpointing.plan import advice
+from checkpointing.cli.app import main
+from checkpointing.plan.schedule import SaveSchedule
 
 
 def mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -406,7 +407,7 @@ def test_sigterm_at_random_moments_saves_the_latest_step_and_exits(tmp_path, cap
 def test_verify_and_gc_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, capsys):
     import io
 
-    from checkpointing import cli
+    from checkpointing.cli import app as cli
 
     with CheckpointManager(tmp_path, keep_local=None) as mgr:
         for step in (1, 2, 3):

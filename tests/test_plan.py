@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointing.options import MIN_CHUNK_BYTES
-from checkpointing.plan import POOL_ALIGN, plan_pack, round_up
-from checkpointing.retention import steps_to_delete
+from checkpointing.plan.pack import POOL_ALIGN, plan_pack, round_up
+from checkpointing.plan.retention import steps_to_delete
 
 PROPS = settings(max_examples=150, deadline=None)
 

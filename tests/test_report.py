@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from checkpointing import advice, report
+from checkpointing.plan import advice
+from checkpointing.cli import report
 from checkpointing.errors import CheckpointConfigError
-from checkpointing.metrics import SaveStats, append_jsonl
-from checkpointing.steptime import StepClock
+from checkpointing.observe.metrics import SaveStats, append_jsonl
+from checkpointing.observe.steptime import StepClock
 
 T0 = 1_700_000_000.0
 

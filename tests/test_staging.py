@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointManager
-from checkpointing.staging import StagingPool
+from checkpointing.save.staging import StagingPool
 
 
 def _state(seed: int) -> dict:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointing.errors import CheckpointConfigError
-from checkpointing.steptime import StepClock
+from checkpointing.observe.steptime import StepClock
 
 
 class Timeline:

@@ -17,9 +17,11 @@ from typing import Callable
 
 import pytest
 
-from checkpointing import catalog, gc, layout
+from checkpointing.tier import catalog
+from checkpointing.tier import collect
+from checkpointing.format import naming
 from checkpointing.errors import CheckpointCorruptError, CheckpointNotFoundError, ManifestError
-from checkpointing.manifest import ChunkRef, CommitMarker, Manifest, ShardEntry, TensorEntry, encode_commit, encode_manifest, manifest_digest
+from checkpointing.format.manifest import ChunkRef, CommitMarker, Manifest, ShardEntry, TensorEntry, encode_commit, encode_manifest, manifest_digest
 from checkpointing.storage import FsspecStorage, LocalStorage, RetryPolicy, Storage
 
 SHM = Path("/dev/shm")
@@ -377,7 +379,7 @@ def test_failed_put_leaves_no_temporary(tmp_path, monkeypatch):
 
 
 def make_manifest(step: int, token: str = "tok") -> Manifest:
-    pack = layout.pack_name(step, 0, token)
+    pack = naming.pack_name(step, 0, token)
     tree = {"dict": [["w", {"tensor": 0}], ["step", {"value": step}]]}
     tensors = (TensorEntry("w", "float32", (4,), (ShardEntry((0,), (4,), (ChunkRef(pack, 0, 16, "xxh3-128:" + "1" * 32),)),)),)
     return Manifest.single(step, tree, tensors)
@@ -385,7 +387,7 @@ def make_manifest(step: int, token: str = "tok") -> Manifest:
 
 def commit_step(storage, step: int, token: str = "tok") -> Manifest:
     m = make_manifest(step, token)
-    storage.put(layout.pack_name(step, 0, token), b"\0" * 16)
+    storage.put(naming.pack_name(step, 0, token), b"\0" * 16)
     catalog.commit(storage, m, token)
     return m
 
@@ -401,10 +403,10 @@ class TestCatalog:
         assert listing.committed == [5, 12] and listing.incomplete == []
         assert catalog.load_manifest(storage, 5) == m5
         assert catalog.load_manifest(storage, 12) == m12
-        names = storage.list(layout.step_dir(12))
+        names = storage.list(naming.step_dir(12))
         assert sorted(names) == sorted(["COMMIT", "manifest.tok.json", "r00000.tok.pack"])
         marker = catalog.read_commit(storage, 12)
-        assert marker.manifest == layout.manifest_name(12, "tok")
+        assert marker.manifest == naming.manifest_name(12, "tok")
         assert marker.manifest_digest == manifest_digest(storage.get(marker.manifest))
         no_temporaries(storage)
 
@@ -416,8 +418,8 @@ class TestCatalog:
 
     def test_step_without_commit_is_incomplete(self, storage):
         commit_step(storage, 1)
-        storage.put(layout.pack_name(2, 0, "crashed"), b"partial")  # a save that died before its manifest
-        storage.put(layout.manifest_name(3, "crashed"), encode_manifest(make_manifest(3)))  # ... before COMMIT
+        storage.put(naming.pack_name(2, 0, "crashed"), b"partial")  # a save that died before its manifest
+        storage.put(naming.manifest_name(3, "crashed"), encode_manifest(make_manifest(3)))  # ... before COMMIT
         listing = catalog.list_steps(storage)
         assert listing.committed == [1] and listing.incomplete == [2, 3]
         for step in (2, 3, 99):
@@ -428,27 +430,27 @@ class TestCatalog:
         """A file (not a directory) named step-NNNNNNNNNN is an incomplete step that gc can remove;
         CheckpointManager.__init__ deletes incomplete steps, so anything else breaks opening the directory."""
         commit_step(storage, 1)
-        storage.put(layout.step_dir(5), b"stray")
+        storage.put(naming.step_dir(5), b"stray")
         assert catalog.list_steps(storage) == catalog.StepListing([1], [5])
         with pytest.raises(CheckpointNotFoundError):
             catalog.load_manifest(storage, 5)
-        gc.delete_step(storage, 5)
+        collect.delete_step(storage, 5)
         assert catalog.list_steps(storage) == catalog.StepListing([1], [])
 
     def test_delete_step_removes_commit_first(self, storage):
         commit_step(storage, 1)
         commit_step(storage, 2)
         # a crash right after delete_step's first operation: only COMMIT is gone
-        storage.delete(layout.commit_name(1))
+        storage.delete(naming.commit_name(1))
         listing = catalog.list_steps(storage)
         assert listing.committed == [2] and listing.incomplete == [1]
         with pytest.raises(CheckpointNotFoundError):
             catalog.load_manifest(storage, 1)
-        gc.delete_step(storage, 1)  # finishing the interrupted delete works
-        gc.delete_step(storage, 2)
+        collect.delete_step(storage, 1)  # finishing the interrupted delete works
+        collect.delete_step(storage, 2)
         assert catalog.list_steps(storage) == catalog.StepListing([], [])
         assert storage.list("") == []
-        gc.delete_step(storage, 7)  # deleting a step that is not there: no-op
+        collect.delete_step(storage, 7)  # deleting a step that is not there: no-op
 
     def test_delete_step_order_is_commit_then_manifest_then_data(self, storage, monkeypatch):
         commit_step(storage, 4)
@@ -457,8 +459,8 @@ class TestCatalog:
         real_rmdir = storage.remove_dir
         monkeypatch.setattr(storage, "delete", lambda p: (calls.append(p), real(p))[1])
         monkeypatch.setattr(storage, "remove_dir", lambda p: (calls.append(("rmdir", p)), real_rmdir(p))[1])
-        gc.delete_step(storage, 4)
-        sdir = layout.step_dir(4)
+        collect.delete_step(storage, 4)
+        sdir = naming.step_dir(4)
         assert calls[0] == f"{sdir}/COMMIT"
         assert calls[1] == f"{sdir}/manifest.tok.json"
         assert all(c.endswith(".pack") for c in calls[2:-1]) and len(calls) > 3
@@ -466,7 +468,7 @@ class TestCatalog:
 
     def test_damaged_manifest_is_corrupt(self, storage):
         commit_step(storage, 8)
-        path = layout.manifest_name(8, "tok")
+        path = naming.manifest_name(8, "tok")
         data = bytearray(storage.get(path))
         data[data.index(b'"step":8')+7] = ord("9")  # still valid JSON, different bytes
         storage.put(path, bytes(data))
@@ -481,26 +483,26 @@ class TestCatalog:
 
     def test_damaged_commit_marker(self, storage):
         commit_step(storage, 9)
-        storage.put(layout.commit_name(9), b"\x00garbage")
+        storage.put(naming.commit_name(9), b"\x00garbage")
         with pytest.raises(ManifestError) as info:
             catalog.load_manifest(storage, 9)
-        assert layout.commit_name(9) in str(info.value)
+        assert naming.commit_name(9) in str(info.value)
 
     def test_commit_marker_naming_another_step_or_outside_its_directory(self, storage):
         m = commit_step(storage, 10)
         good = catalog.read_commit(storage, 10)
         # a COMMIT copied from step 10 into step 11
-        storage.put(layout.commit_name(11), storage.get(layout.commit_name(10)))
+        storage.put(naming.commit_name(11), storage.get(naming.commit_name(10)))
         with pytest.raises(ManifestError, match="names step 10"):
             catalog.load_manifest(storage, 11)
         # a COMMIT of step 12 pointing at step 10's (valid) manifest
-        storage.put(layout.commit_name(12), encode_commit(CommitMarker(12, good.manifest, good.manifest_digest)))
+        storage.put(naming.commit_name(12), encode_commit(CommitMarker(12, good.manifest, good.manifest_digest)))
         with pytest.raises(ManifestError, match="outside its step directory"):
             catalog.load_manifest(storage, 12)
         # a manifest for another step committed under this one
         data = storage.get(good.manifest)
-        storage.put(layout.manifest_name(13, "tok"), data)
-        storage.put(layout.commit_name(13), encode_commit(CommitMarker(13, layout.manifest_name(13, "tok"), manifest_digest(data))))
+        storage.put(naming.manifest_name(13, "tok"), data)
+        storage.put(naming.commit_name(13), encode_commit(CommitMarker(13, naming.manifest_name(13, "tok"), manifest_digest(data))))
         with pytest.raises(ManifestError, match="expected 13"):
             catalog.load_manifest(storage, 13)
         assert catalog.load_manifest(storage, 10) == m
@@ -508,8 +510,8 @@ class TestCatalog:
     def test_apply_retention(self, storage):
         for step in (1, 2, 3, 4, 5):
             commit_step(storage, step)
-        assert gc.apply_retention(storage, None) == []
-        assert gc.apply_retention(storage, 2, protect=1) == [2, 3]
+        assert collect.apply_retention(storage, None) == []
+        assert collect.apply_retention(storage, 2, protect=1) == [2, 3]
         assert catalog.list_steps(storage).committed == [1, 4, 5]
-        assert gc.apply_retention(storage, 1) == [1, 4]
+        assert collect.apply_retention(storage, 1) == [1, 4]
         assert catalog.list_steps(storage) == catalog.StepListing([5], [])

@@ -25,9 +25,12 @@ from s3_server import SECRET, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 
 import _tiered
 from _dist import run_ranks
-from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointUploadError, catalog, gc, layout
+from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointUploadError
+from checkpointing.tier import catalog
+from checkpointing.tier import collect
+from checkpointing.format import naming
 from checkpointing.storage import RetryPolicy, open_storage
-from checkpointing.verify import verify_step
+from checkpointing.tier.verify import verify_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -91,7 +94,7 @@ def test_save_uploads_every_step_and_restores_from_the_remote_only(tmp_path, s3_
     assert [r["tier"] for r in records] == ["local+remote"] * 3 and all(r["upload_s"] > 0 for r in records)
     # credentials are in no file of either tier (manifests, commit markers, metrics, packs)
     assert not [p for p in local.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    names = [f"{layout.step_dir(s)}/{n}" for s in (1, 2, 3) for n in remote.list(layout.step_dir(s))]
+    names = [f"{naming.step_dir(s)}/{n}" for s in (1, 2, 3) for n in remote.list(naming.step_dir(s))]
     assert len(names) == 9 and not [n for n in names if SECRET.encode() in remote.get(n)]
 
     shutil.rmtree(local)  # the machine is gone: a new one has only the bucket
@@ -348,7 +351,7 @@ def test_the_conditional_commit_refuses_a_second_writer(tmp_path, s3_bucket):
     with manager(tmp_path / "d", s3_bucket) as mgr:
         assert mgr.restore(target) == 6 and same(target, {**state(winner), "step": winner})
         assert mgr.restore(target, step=5) == 5 and same(target, state(5))  # a's, not b's
-    result = gc.collect(remote_of(s3_bucket), dry_run=True)
+    result = collect.collect(remote_of(s3_bucket), dry_run=True)
     assert not result.problems and len(result.garbage) == 4, result  # the loser's pack and manifest, for steps 5 and 6
 
 

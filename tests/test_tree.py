@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpointing import PickleCodec, StateError
-from checkpointing.dtypes import dtype_name
+from checkpointing.format.dtypes import dtype_name
 from checkpointing.errors import ManifestError
-from checkpointing.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, decode_manifest, encode_manifest
-from checkpointing.tree import flatten_state, join_key
+from checkpointing.format.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, decode_manifest, encode_manifest
+from checkpointing.state.tree import flatten_state, join_key
 
 
 def _items(node: dict) -> dict:

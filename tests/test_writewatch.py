@@ -20,9 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _models import assert_tree_equal, clone_tree
-from checkpointing import CheckpointConfigError, CheckpointManager, pagewrites
-from checkpointing.pagewrites import PAGE, complement, page_span
-from checkpointing.writewatch import HOT, MAX_REST, SAMPLE, WriteWatch, merge_spans, written_pieces
+from checkpointing import CheckpointConfigError, CheckpointManager
+from checkpointing.save import pagewrites
+from checkpointing.save.pagewrites import PAGE, complement, page_span
+from checkpointing.save.writewatch import HOT, MAX_REST, SAMPLE, WriteWatch, merge_spans, written_pieces
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,15 +1,19 @@
-"""Storage: one small protocol and its backends. Orchestration talks to tiers only through it."""
+"""Storage: one small protocol and its backends. Orchestration talks to tiers only through it.
+
+Layer: I/O, below tier/. May import: checkpointing.errors, checkpointing.format (names on disk).
+Public here: the protocol and its backends (`__all__`), for users who plug in their own tier or test against one.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping
 
-from ..errors import CheckpointConfigError
-from .base import Storage, StreamWriter
-from .local import LocalStorage
-from .remote import FsspecStorage
-from .retry import RemoteStorageError, RetryPolicy
+from checkpointing.errors import CheckpointConfigError
+from checkpointing.storage.base import Storage, StreamWriter
+from checkpointing.storage.local import LocalStorage
+from checkpointing.storage.remote import FsspecStorage
+from checkpointing.storage.retry import RemoteStorageError, RetryPolicy
 
 __all__ = ["Storage", "StreamWriter", "LocalStorage", "FsspecStorage", "RemoteStorageError", "RetryPolicy", "open_storage"]
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..layout import new_token
+from checkpointing.format.naming import new_token
 
 DIRECT_ALIGN = 4096
 

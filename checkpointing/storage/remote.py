@@ -32,10 +32,10 @@ from typing import Any, Callable, Mapping, TypeVar
 import fsspec
 from fsspec.core import split_protocol
 
-from ..errors import CheckpointConfigError
-from ..layout import new_token
-from .retry import RetryPolicy, redact, redact_url, retry_call, secret_values, translate
-from .upload import S3_MIN_PART, S3Stream, TempStream, Throttle, upload_file
+from checkpointing.errors import CheckpointConfigError
+from checkpointing.format.naming import new_token
+from checkpointing.storage.retry import RetryPolicy, redact, redact_url, retry_call, secret_values, translate
+from checkpointing.storage.upload import S3_MIN_PART, S3Stream, TempStream, Throttle, upload_file
 
 log = logging.getLogger("checkpointing")
 T = TypeVar("T")

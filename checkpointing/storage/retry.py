@@ -24,7 +24,7 @@ import time
 from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import CheckpointConfigError, CheckpointError
+from checkpointing.errors import CheckpointConfigError, CheckpointError
 
 log = logging.getLogger("checkpointing")
 

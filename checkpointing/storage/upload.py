@@ -23,11 +23,11 @@ import time
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..layout import new_token
-from .retry import ErrorInfo, ErrorKind, RemoteStorageError, redact, translate
+from checkpointing.format.naming import new_token
+from checkpointing.storage.retry import ErrorInfo, ErrorKind, RemoteStorageError, redact, translate
 
 if TYPE_CHECKING:
-    from .remote import FsspecStorage
+    from checkpointing.storage.remote import FsspecStorage
 
 log = logging.getLogger("checkpointing")
 

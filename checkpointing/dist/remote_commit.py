@@ -1,0 +1,150 @@
+"""Committing a step on the remote tier, with one rank or across ranks (I/O through the store).
+
+Every rank uploads its own data files of a step (tiering.py), then calls `commit(job, error)`:
+
+    one rank      write the manifest, then COMMIT (exclusive create), on the remote tier
+    many ranks    through the torch.distributed store, per upload number `seq`:
+                    up/<seq>/<rank>    each rank's report: its files are up, or its error
+                    up/<seq>/status    rank 0's verdict after it committed the step (or why not)
+                  rank 0 waits for every report, checks that every data object is on the remote
+                  tier with its size, copies its local manifest and COMMIT there, and publishes
+                  the verdict; every rank waits for the verdict, so handle.wait() returns on each
+                  rank only once the step is durable remotely.
+
+Deadlines: rank 0 waits for the others' reports at most timeout_s + 2x its own transfer time after
+its own upload finished (ranks upload similar shares in parallel); the others wait as long again
+for the verdict. A rank that does not answer is named in the error. The uploader uses a store
+connection of its own: the save thread keeps using the coordinator's.
+
+At start-up the ranks also agree here on which interrupted uploads to resume (`agree_resume`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Protocol
+
+from checkpointing.tier import catalog
+from checkpointing.dist.coordinator import StoreCoordinator, rank_of, store_errors, wait_keys
+from checkpointing.errors import CheckpointError, CoordinationTimeout, UploadRanksFailed
+from checkpointing.format.manifest import Manifest
+from checkpointing.storage import Storage
+
+log = logging.getLogger("checkpointing")
+
+
+class TierCommitter(Protocol):
+    def commit(self, job: Any, error: BaseException | None, transfer_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def commit_remote(local: Storage, remote: Storage, manifest: Manifest) -> None:
+    """Check the step's data objects are on the remote tier (whole), then write its manifest and COMMIT there."""
+    step = manifest.step
+    for f in manifest.files:
+        if f.primary_bytes == 0:
+            continue
+        try:
+            size = remote.size(f.path)
+        except FileNotFoundError:
+            size = None
+        if size != f.primary_bytes:
+            found = "missing" if size is None else f"{size} bytes"
+            raise CheckpointError(
+                f"step {step}: data object {remote.url}/{f.path} is {found}, {f.primary_bytes} expected "
+                f"(rank {f.rank}'s upload is incomplete, or something deleted it); not committing the step there"
+            )
+    catalog.copy_commit(local, remote, step)
+
+
+class LocalTierCommitter:
+    """One rank: commit right after the upload."""
+
+    rank = 0
+
+    def __init__(self, local: Storage, remote: Storage) -> None:
+        self.local, self.remote = local, remote
+
+    def commit(self, job: Any, error: BaseException | None, transfer_s: float) -> None:
+        if error is not None:
+            raise error
+        commit_remote(self.local, self.remote, job.manifest)
+
+    def close(self) -> None:
+        pass
+
+
+class StoreTierCommitter:
+    """Many ranks: reports and rank 0's verdict travel through the store (see the module docstring)."""
+
+    def __init__(self, coord: StoreCoordinator, local: Storage, remote: Storage) -> None:
+        self.local, self.remote = local, remote
+        self.rank, self.world_size, self.timeout_s = coord.rank, coord.world_size, coord.timeout_s
+        self.store = coord.new_store_client()
+
+    @store_errors
+    def commit(self, job: Any, error: BaseException | None, transfer_s: float) -> None:
+        report = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
+        self.store.set(f"up/{job.seq}/{self.rank}", json.dumps(report))
+        deadline = time.monotonic() + self.timeout_s + 2 * transfer_s
+        if self.rank == 0:
+            self._decide(job, deadline)
+        status_key = f"up/{job.seq}/status"
+        wait_keys(self.store, [status_key], deadline + self.timeout_s, f"step {job.step}: waiting for rank 0's remote commit",
+                  keys_rank=lambda k: 0, timeout_s=self.timeout_s)
+        status = json.loads(self.store.get(status_key))
+        if not status["ok"]:
+            raise UploadRanksFailed({int(r): c for r, c in status["failures"].items()})
+
+    def _decide(self, job: Any, deadline: float) -> None:
+        keys = [f"up/{job.seq}/{r}" for r in range(self.world_size)]
+        failures: dict[int, str] = {}
+        try:
+            wait_keys(self.store, keys, deadline, f"step {job.step}: waiting for every rank's upload", keys_rank=rank_of,
+                      timeout_s=self.timeout_s)
+        except CoordinationTimeout as exc:
+            failures = {r: str(exc) for r in exc.ranks}
+        else:
+            for r, raw in enumerate(self.store.multi_get(keys)):
+                msg = json.loads(raw)
+                if not msg["ok"]:
+                    failures[r] = msg["error"]
+        if job.seq > 0:  # every rank is past the previous upload: it waited for that verdict
+            self._forget(job.seq - 1)
+        if not failures:
+            try:
+                commit_remote(self.local, self.remote, job.manifest)
+            except Exception as exc:  # noqa: BLE001 - the verdict carries it to every rank
+                failures[0] = f"committing on the remote tier: {type(exc).__name__}: {exc}"
+        verdict = {"ok": not failures, "failures": {str(r): c for r, c in failures.items()}}
+        self.store.set(f"up/{job.seq}/status", json.dumps(verdict))
+
+    def _forget(self, seq: int) -> None:
+        for name in ["status"] + [str(r) for r in range(self.world_size)]:
+            try:
+                self.store.delete_key(f"up/{seq}/{name}")
+            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
+                pass
+
+    def close(self) -> None:
+        pass
+
+
+@store_errors
+def _agree(coord: StoreCoordinator, mine: list[int]) -> list[int]:
+    coord.store.set(f"resume/{coord.rank}", json.dumps(mine))
+    keys = [f"resume/{r}" for r in range(coord.world_size)]
+    wait_keys(coord.store, keys, time.monotonic() + coord.timeout_s, "start-up: agreeing on uploads to resume",
+              keys_rank=rank_of, timeout_s=coord.timeout_s)
+    views = [set(json.loads(v)) for v in coord.store.multi_get(keys)]
+    return sorted(set.intersection(*views))
+
+
+def agree_resume(coord: Any, mine: list[int]) -> list[int]:
+    """The steps every rank can resume uploading (each holds its own files of them locally)."""
+    if not isinstance(coord, StoreCoordinator):
+        return sorted(mine)
+    return _agree(coord, mine)

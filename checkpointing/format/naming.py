@@ -1,0 +1,65 @@
+"""Names of things on disk (pure). The same layout on every tier; see docs/format.md.
+
+    <root>/step-0000000010/r00000.<token>.pack    data written by rank 0 for step 10
+    <root>/step-0000000010/manifest.<token>.json   canonical JSON manifest
+    <root>/step-0000000010/COMMIT                  commit marker, written last
+    <root>/metrics.jsonl                            one JSON line per save
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+from checkpointing.errors import ManifestError
+
+STEP_PREFIX = "step-"
+STEP_DIGITS = 10
+COMMIT_NAME = "COMMIT"
+METRICS_NAME = "metrics.jsonl"
+MAX_STEP = 10**STEP_DIGITS - 1
+
+_STEP_DIR = re.compile(r"^step-(\d{10})$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+
+def step_dir(step: int) -> str:
+    if not (0 <= step <= MAX_STEP):
+        raise ValueError(f"step {step} is outside 0..{MAX_STEP}")
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def new_token() -> str:
+    """A fresh name part per save attempt, so a retried step never overwrites a crashed one."""
+    return secrets.token_hex(6)
+
+
+def pack_name(step: int, rank: int, token: str) -> str:
+    return f"{step_dir(step)}/r{rank:05d}.{token}.pack"
+
+
+def manifest_name(step: int, token: str) -> str:
+    return f"{step_dir(step)}/manifest.{token}.json"
+
+
+def commit_name(step: int) -> str:
+    return f"{step_dir(step)}/{COMMIT_NAME}"
+
+
+def check_relpath(path: object, *, what: str = "path") -> str:
+    """Validate a path read from a manifest: relative, plain segments, never escaping the root."""
+    if not isinstance(path, str) or not path or len(path) > 1024:
+        raise ManifestError(f"{what} {path!r} is not a non-empty string of at most 1024 chars")
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or not _SEGMENT.fullmatch(part):
+            raise ManifestError(
+                f"{what} {path!r} is unsafe: segments must match {_SEGMENT.pattern} "
+                "(no absolute paths, '..', or empty segments)"
+            )
+    return path

@@ -1,0 +1,259 @@
+"""What each rank reports after writing, and how rank 0 merges the reports into one manifest (pure).
+
+A rank's part lists, for every leaf it saved: its key, dtype, local shape, DTensor layout (global
+shape and offsets) if any, a digest of its bytes, and the chunk references where this rank wrote
+it (None when a peer on its local tier wrote the same bytes). The merge:
+
+- gathers the shards of each DTensor key, checks dtype and global shape agree, that replicas of a
+  shard hold the same bytes, and that the shards tile the global tensor (no overlap, no hole);
+- stores a plain tensor once per distinct content: ranks that saved equal bytes under one key
+  share one entry (replicated state), ranks that differ get their own (per-rank state);
+- checks every leaf has a copy on its rank's local tier, picks one primary copy per shard (what the
+  remote tier needs) and keeps one replica per other tier;
+- rewrites each rank's tree to the merged tensor indices and stores each distinct tree once.
+Everything that is wrong is collected and raised together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import xxhash
+
+from checkpointing.errors import ManifestError, MergeError
+from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest, ShardEntry, TensorEntry, canonical_json, check_tiling, decode_manifest, encode_manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class PartLeaf:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]  # local shape
+    global_shape: tuple[int, ...] | None  # set for DTensor shards
+    offsets: tuple[int, ...] | None
+    digest: str  # of dtype, shape and every chunk digest: equal bytes <=> equal digest
+    region: int  # assign.UNIQUE / PRIMARY / TIER / OTHER
+    chunks: tuple[tuple[str, int, int, str], ...] | None  # (file, offset, length, digest); None: a peer wrote it
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPart:
+    rank: int
+    file: str
+    nbytes: int  # size of the file
+    tree: dict[str, Any]
+    leaves: tuple[PartLeaf, ...]
+    borrowed: tuple[FileEntry, ...] = ()  # files of earlier steps this part takes chunks from (their entries, unchanged)
+
+
+def leaf_digest(dtype: str, shape: tuple[int, ...], chunk_digests: list[str]) -> str:
+    return xxhash.xxh3_128(canonical_json([dtype, list(shape), chunk_digests])).hexdigest()
+
+
+def encode_part(part: RankPart) -> bytes:
+    return canonical_json(
+        {
+            "rank": part.rank,
+            "file": part.file,
+            "nbytes": part.nbytes,
+            "tree": part.tree,
+            "leaves": [
+                [l.key, l.dtype, list(l.shape), None if l.global_shape is None else [list(l.global_shape), list(l.offsets or ())], l.digest, l.region,
+                 None if l.chunks is None else [list(c) for c in l.chunks]]
+                for l in part.leaves
+            ],
+            "borrowed": [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in part.borrowed],
+        }
+    )
+
+
+def decode_part(data: bytes) -> RankPart:
+    """Parts come from our own ranks over the store; a malformed one is a bug, reported as ManifestError."""
+    try:
+        obj = json.loads(data)
+        leaves = tuple(
+            PartLeaf(k, dt, tuple(shape), None if g is None else tuple(g[0]), None if g is None else tuple(g[1]), dig, region,
+                     None if chunks is None else tuple((str(f), int(o), int(n), str(d)) for f, o, n, d in chunks))
+            for k, dt, shape, g, dig, region, chunks in obj["leaves"]
+        )
+        borrowed = tuple(FileEntry(str(p), int(r), str(t), int(n), int(pb)) for p, r, t, n, pb in obj.get("borrowed", []))
+        return RankPart(int(obj["rank"]), str(obj["file"]), int(obj["nbytes"]), obj["tree"], leaves, borrowed)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"a rank's save report is malformed ({type(exc).__name__}: {exc})") from None
+
+
+@dataclasses.dataclass
+class _Shard:
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    digest: str
+    copies: list[tuple[int, int, tuple[ChunkRef, ...]]] = dataclasses.field(default_factory=list)  # (preference, rank, chunks)
+
+
+@dataclasses.dataclass
+class _Entry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: dict[tuple[int, ...], _Shard] = dataclasses.field(default_factory=dict)
+
+
+def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...]) -> tuple[Manifest, frozenset[str]]:
+    """The step's manifest, and the plain-tensor keys whose values differ between ranks."""
+    world = len(parts)
+    problems: list[str] = []
+    entries: list[_Entry] = []
+    index: dict[tuple, int] = {}
+    leaf_map: list[list[int]] = []
+    plain_digests: dict[str, dict[str, list[int]]] = {}  # key -> digest -> ranks
+    for part in parts:
+        mapping = []
+        for leaf in part.leaves:
+            if leaf.global_shape is not None:
+                ident: tuple = ("dtensor", leaf.key)
+                shape = leaf.global_shape
+            else:
+                ident = ("plain", leaf.key, leaf.digest)
+                shape = leaf.shape
+                plain_digests.setdefault(leaf.key, {}).setdefault(leaf.digest, []).append(part.rank)
+            if ident not in index:
+                index[ident] = len(entries)
+                entries.append(_Entry(leaf.key, leaf.dtype, shape))
+            entry = entries[index[ident]]
+            mapping.append(index[ident])
+            if (entry.dtype, entry.shape) != (leaf.dtype, shape):
+                problems.append(
+                    f"{leaf.key}: rank {part.rank} saved {leaf.dtype}{list(shape)}, another rank {entry.dtype}{list(entry.shape)} "
+                    "(a DTensor must have one dtype and global shape on every rank)"
+                )
+                continue
+            _add_shard(entry, leaf, part, problems)
+        leaf_map.append(mapping)
+    _check_local_copies(parts, entries, index, tiers, problems)
+    tensors, primary_end = _finish_entries(entries, parts, tiers, problems)
+    if problems:
+        raise MergeError(problems)
+    trees: list[dict[str, Any]] = []
+    seen: dict[bytes, int] = {}
+    rank_trees = []
+    for part, mapping in zip(parts, leaf_map):
+        tree = _remap(part.tree, mapping)
+        key = canonical_json(tree)
+        if key not in seen:
+            seen[key] = len(trees)
+            trees.append(tree)
+        rank_trees.append(seen[key])
+    files = _file_table(parts, tensors, tiers, primary_end, problems)
+    if problems:
+        raise MergeError(problems)
+    manifest = Manifest(step=step, trees=tuple(trees), tensors=tuple(tensors), world_size=world, rank_trees=tuple(rank_trees), files=files)
+    try:  # what is committed must decode: the reader's own checks, once, here
+        decode_manifest(encode_manifest(manifest), f"step {step} manifest")
+    except ManifestError as exc:
+        raise MergeError([str(exc)]) from None
+    per_rank = frozenset(k for k, by_digest in plain_digests.items() if len(by_digest) > 1 or sum(map(len, by_digest.values())) != world)
+    return manifest, per_rank
+
+
+def _file_table(parts: list[RankPart], tensors: list[TensorEntry], tiers: tuple[str, ...], primary_end: dict[str, int],
+                problems: list[str]) -> tuple[FileEntry, ...]:
+    """Each rank's new pack file, then the earlier steps' files the parts take chunks from, as
+    their own manifests listed them (a file's entry never changes: the remote tier holds exactly
+    its primary_bytes). Only files some chunk reference names are listed."""
+    used = {c.file for t in tensors for s in t.shards for copy in s.copies() for c in copy}
+    files = [FileEntry(p.file, p.rank, tiers[p.rank], p.nbytes, primary_end.get(p.file, 0)) for p in parts if p.nbytes or p.file in primary_end]
+    listed = {f.path for f in files}
+    for part in parts:
+        for f in part.borrowed:
+            if f.path in listed or f.path not in used:
+                continue
+            listed.add(f.path)
+            files.append(f)
+            if primary_end.get(f.path, 0) > f.primary_bytes:
+                problems.append(f"{f.path}: rank {part.rank} takes a primary copy from past its uploaded prefix ({f.primary_bytes} bytes)")
+    missing = used - listed
+    if missing:
+        problems.append(f"chunk references name files no rank reported: {sorted(missing)[:5]}")
+    return tuple(files)
+
+
+def _add_shard(entry: _Entry, leaf: PartLeaf, part: RankPart, problems: list[str]) -> None:
+    offsets = leaf.offsets if leaf.offsets is not None else (0,) * len(leaf.shape)
+    if math.prod(leaf.shape) == 0 and math.prod(entry.shape) != 0:
+        return  # an empty local shard (uneven sharding) holds nothing
+    shard = entry.shards.get(offsets)
+    if shard is None:
+        shard = entry.shards[offsets] = _Shard(offsets, leaf.shape, leaf.digest)
+    elif (shard.shape, shard.digest) != (leaf.shape, leaf.digest):
+        problems.append(f"{leaf.key}: replicas of the shard at {list(offsets)} differ between ranks (rank {part.rank} holds other bytes)")
+        return
+    if leaf.chunks is not None:
+        refs = tuple(ChunkRef(f, o, n, d) for f, o, n, d in leaf.chunks)
+        preference = 0 if leaf.region <= 1 else 1  # a copy in the uploaded prefix of its file
+        shard.copies.append((preference, part.rank, refs))
+
+
+def _check_local_copies(parts: list[RankPart], entries: list[_Entry], index: dict[tuple, int], tiers: tuple[str, ...], problems: list[str]) -> None:
+    for part in parts:
+        for leaf in part.leaves:
+            if leaf.chunks is not None:
+                continue
+            ident = ("dtensor", leaf.key) if leaf.global_shape is not None else ("plain", leaf.key, leaf.digest)
+            offsets = leaf.offsets if leaf.offsets is not None else (0,) * len(leaf.shape)
+            shard = entries[index[ident]].shards.get(offsets)
+            if shard is None or not any(tiers[r] == tiers[part.rank] for _, r, _ in shard.copies):
+                problems.append(f"{leaf.key}: rank {part.rank} skipped it for a peer on its local tier, and no peer there wrote it")
+
+
+def _finish_entries(entries: list[_Entry], parts: list[RankPart], tiers: tuple[str, ...], problems: list[str]) -> tuple[list[TensorEntry], dict[str, int]]:
+    tensors = []
+    primary_end: dict[str, int] = {}
+    for entry in entries:
+        shards = []
+        for shard in sorted(entry.shards.values(), key=lambda s: s.offsets):
+            copies = sorted(shard.copies, key=lambda c: (c[0], c[1]))
+            if not copies:
+                problems.append(f"{entry.key}: no rank wrote the shard at {list(shard.offsets)}")
+                continue
+            primary = copies[0]
+            replicas, tiers_seen = [], {tiers[primary[1]]}
+            for _, rank, refs in copies[1:]:
+                if tiers[rank] not in tiers_seen:
+                    tiers_seen.add(tiers[rank])
+                    replicas.append(refs)
+            for c in primary[2]:
+                primary_end[c.file] = max(primary_end.get(c.file, 0), c.offset + c.length)
+            shards.append(ShardEntry(shard.offsets, shard.shape, primary[2], tuple(replicas)))
+        numel = math.prod(entry.shape)
+        covered = sum(math.prod(s.shape) for s in shards)
+        if numel == 0 and not shards:
+            shards.append(ShardEntry((0,) * len(entry.shape), entry.shape, ()))
+        elif covered != numel:
+            problems.append(f"{entry.key}: the ranks' shards cover {covered} of its {numel} elements (a rank did not save it?)")
+            continue
+        try:
+            check_tiling(entry.shape, [(s.offsets, s.shape) for s in shards], entry.key)
+        except ManifestError as exc:
+            problems.append(str(exc))
+            continue
+        tensors.append(TensorEntry(entry.key, entry.dtype, entry.shape, tuple(shards)))
+    if len(tensors) != len(entries):
+        return [], primary_end  # problems were recorded; the indices no longer line up
+    return tensors, primary_end
+
+
+def _remap(node: Any, mapping: list[int]) -> Any:
+    if isinstance(node, dict):
+        if "tensor" in node and len(node) == 1:
+            return {"tensor": mapping[node["tensor"]]}
+        if "ndarray" in node and len(node) == 1:
+            return {"ndarray": mapping[node["ndarray"]]}
+        if "codec" in node:
+            return node
+        return {k: _remap(v, mapping) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_remap(v, mapping) for v in node]
+    return node

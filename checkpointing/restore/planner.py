@@ -1,0 +1,296 @@
+"""Restore a committed manifest into the user's objects, in place (plan, then read, then apply).
+
+1. Plan: walk the target state beside the manifest's tree (this rank's tree at the same world
+   size; at another world size the ranks' trees merged, per-rank values refused by name). Collect
+   every problem (missing or unexpected keys, shape/dtype/type mismatches); raise them together
+   before touching anything.
+2. Read (reading.py): each target covers a box of its global tensor (a DTensor its local shard, a
+   plain tensor all of it), filled from every saved shard overlapping it, verified.
+3. Apply: load_state_dict() on stateful objects, assign primitives into the user's containers.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, MutableMapping
+
+import numpy as np
+import torch
+
+from checkpointing.state.codecs import Codec
+from checkpointing.format.dtypes import dtype_from_name
+from checkpointing.errors import CheckpointMismatchError, StateError
+from checkpointing.format.manifest import Manifest
+from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
+from checkpointing.state.sharding import dtensor_layout, is_dtensor
+from checkpointing.state.tree import is_stateful, join_key
+
+_MISSING = object()
+
+
+def _has_tensors(node: Any) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if "tensor" in node or "ndarray" in node:
+        return True
+    return any(_has_tensors(v) for v in _children(node))
+
+
+def _children(node: dict) -> list:
+    if "dict" in node:
+        return [v for _, v in node["dict"]]
+    if "list" in node or "tuple" in node:
+        return node.get("list", node.get("tuple"))
+    if "stateful" in node:
+        return [node["stateful"]]
+    return []
+
+
+def _target_has_tensors(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(obj, dict):
+        return any(_target_has_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_target_has_tensors(v) for v in obj)
+    return is_stateful(obj)
+
+
+class _Planner:
+    def __init__(self, manifest: Manifest, codecs: tuple[Codec, ...], strict: bool, world_size: int) -> None:
+        self.manifest = manifest
+        self.codecs = {c.name: c for c in codecs}
+        self.strict = strict
+        self.world_size = world_size
+        self.problems: list[str] = []
+        self.reads: list[ReadBox] = []
+        self.loads: list[Callable[[], None]] = []
+        self.param_hints: dict[tuple, torch.Tensor] = {}  # optimizer state path -> its parameter
+
+    def problem(self, path: tuple, text: str) -> None:
+        self.problems.append(f"{join_key(path) or '<root>'}: {text}")
+
+    def value(self, target: Any, node: dict, path: tuple) -> Any:
+        """The restored value at `path`; tensors matching the target are read into it."""
+        if PER_RANK in node:
+            self.problem(
+                path,
+                f"saved per rank (the {self.manifest.world_size} saving ranks hold different values), so it cannot be "
+                f"mapped to {self.world_size} ranks; restore with {self.manifest.world_size} ranks, or leave it out of "
+                "the state passed to restore",
+            )
+            return target
+        if "tensor" in node or "ndarray" in node:
+            return self.tensor(target, node, path)
+        if "stateful" in node:
+            return self.stateful(target, node, path)
+        if "dict" in node:
+            return self.mapping(target, node, path)
+        if "list" in node or "tuple" in node:
+            return self.sequence(target, node, path)
+        if _target_has_tensors(target) and target is not _MISSING:
+            self.problem(path, f"saved as a plain value, the target holds a {type(target).__name__}")
+            return target
+        return self.leaf(node, path)
+
+    def leaf(self, node: dict, path: tuple) -> Any:
+        if "value" in node:
+            return node["value"]
+        if "float" in node:
+            return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[node["float"]]
+        if "bytes" in node:
+            return base64.b64decode(node["bytes"])
+        codec = self.codecs.get(node["codec"])
+        if codec is None:
+            self.problem(path, f"saved with codec {node['codec']!r}: pass CheckpointManager(codecs=[...]) with that codec")
+            return None
+        return codec.decode(node["data"])
+
+    def tensor(self, target: Any, node: dict, path: tuple) -> Any:
+        entry = self.manifest.tensors[node.get("tensor", node.get("ndarray"))]
+        dtype = dtype_from_name(entry.dtype)
+        as_numpy = "ndarray" in node
+        full = ((0,) * len(entry.shape), entry.shape)
+        if isinstance(target, np.ndarray):
+            dest = torch.from_numpy(target) if target.flags.writeable and target.dtype.kind in "biufc" else None
+            if dest is None or tuple(target.shape) != entry.shape or dest.dtype != dtype:
+                self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is numpy {target.dtype}{list(target.shape)}")
+                return target
+            self.reads.append(ReadBox(entry, dest, *full))
+            return target
+        if isinstance(target, torch.Tensor):
+            if tuple(target.shape) != entry.shape or target.dtype != dtype:
+                self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is {str(target.dtype)[6:]}{list(target.shape)}")
+                return target
+            self.read_into(entry, target, path)
+            return target
+        if target is not _MISSING and target is not None:
+            self.problem(path, f"saved as a tensor, the target holds a {type(target).__name__}")
+            return target
+        hint = self.param_hints.get(path[:-1])
+        if hint is not None and is_dtensor(hint) and tuple(hint.shape) == entry.shape:
+            fresh = torch.empty_like(hint, dtype=dtype)  # optimizer state sharded like its parameter
+            self.read_into(entry, fresh, path)
+            return fresh
+        if self.world_size > 1 and len(entry.shards) > 1:
+            self.problem(
+                path,
+                "saved as a sharded DTensor and missing from the target: create it first (for optimizer state, "
+                "torch.distributed.checkpoint.state_dict.get_state_dict does) so it can be read in its sharding",
+            )
+            return None
+        fresh = torch.empty(entry.shape, dtype=dtype)
+        self.reads.append(ReadBox(entry, fresh, *full))
+        return fresh.numpy() if as_numpy else fresh
+
+    def read_into(self, entry: TensorEntry, target: torch.Tensor, path: tuple) -> None:
+        if is_dtensor(target):
+            try:
+                local, layout = dtensor_layout(target.detach(), join_key(path))
+            except StateError as exc:
+                self.problem(path, str(exc))
+                return
+            if layout.replicas:  # ranks outside the DTensor's mesh hold nothing of it
+                self.reads.append(ReadBox(entry, local, layout.offsets, tuple(local.shape)))
+            return
+        self.reads.append(ReadBox(entry, target.detach(), (0,) * len(entry.shape), entry.shape))
+
+    def stateful(self, target: Any, node: dict, path: tuple) -> Any:
+        if not is_stateful(target):
+            self.problem(path, f"saved from a {node['class']} (state_dict), the target is a {type(target).__name__}")
+            return target
+        if isinstance(target, torch.optim.Optimizer):
+            params = [p for group in target.param_groups for p in group["params"]]
+            self.param_hints.update({path + ("state", i): p for i, p in enumerate(params)})
+        sd = self.mapping(target.state_dict(), node["stateful"], path)
+        if isinstance(target, torch.nn.Module):
+            self.loads.append(lambda: target.load_state_dict(sd, strict=self.strict))
+        else:
+            self.loads.append(lambda: target.load_state_dict(sd))
+        return target
+
+    def mapping(self, target: Any, node: dict, path: tuple, *, top: bool = False) -> Any:
+        items = node["dict"]
+        if isinstance(target, MutableMapping):
+            wildcard = len(target) == 0 and not top
+            saved = {k for k, _ in items}
+            if not wildcard:
+                for k, v in target.items():
+                    if k not in saved and (top or _target_has_tensors(v)) and self.strict:
+                        self.problem(path + (k,), "missing from the checkpoint")
+            out = {}
+            for k, child in items:
+                if not wildcard and k not in target and (top or _has_tensors(child)):
+                    if self.strict:
+                        self.problem(path + (k,), "in the checkpoint but not in the target (unexpected key)")
+                    continue
+                out[k] = self.value(target.get(k, _MISSING), child, path + (k,))
+            return out
+        if target is not _MISSING and _target_has_tensors(target):
+            self.problem(path, f"saved as a dict, the target holds a {type(target).__name__}")
+            return target
+        return {k: self.value(_MISSING, child, path + (k,)) for k, child in items}
+
+    def sequence(self, target: Any, node: dict, path: tuple) -> Any:
+        items = node.get("list", node.get("tuple"))
+        kind = tuple if "tuple" in node else list
+        same = isinstance(target, (list, tuple)) and len(target) == len(items)
+        if isinstance(target, (list, tuple)) and not same and target and (_has_tensors(node) or _target_has_tensors(target)):
+            self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
+            return target
+        return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
+
+
+def _assign(container: Any, key: Any, value: Any) -> None:
+    """Put `value` into container[key], updating nested dicts and lists in place."""
+    current = container[key]
+    if current is value:
+        return
+    if isinstance(current, MutableMapping) and isinstance(value, dict):
+        for k, v in value.items():
+            if k in current:
+                _assign(current, k, v)
+            else:
+                current[k] = v
+        return
+    if isinstance(current, list) and isinstance(value, list) and len(current) == len(value):
+        for i, v in enumerate(value):
+            _assign(current, i, v)
+        return
+    container[key] = value
+
+
+PER_RANK = "per_rank"  # marks a node whose value differs between the saving ranks (never written to disk)
+
+
+def merge_trees(trees: list[Any]) -> Any:
+    """One tree for a restore at another world size: equal subtrees kept, differing ones marked."""
+    first = trees[0]
+    if all(t == first for t in trees[1:]):
+        return first
+    if all(isinstance(t, dict) and "dict" in t for t in trees):
+        keys = [[k for k, _ in t["dict"]] for t in trees]
+        if all(k == keys[0] for k in keys[1:]):
+            return {"dict": [[k, merge_trees([t["dict"][i][1] for t in trees])] for i, k in enumerate(keys[0])]}
+    for kind in ("list", "tuple"):
+        if isinstance(first, dict) and kind in first and all(isinstance(t, dict) and kind in t and len(t[kind]) == len(first[kind]) for t in trees):
+            return {kind: [merge_trees([t[kind][i] for t in trees]) for i in range(len(first[kind]))]}
+    if isinstance(first, dict) and "stateful" in first and all(isinstance(t, dict) and "stateful" in t and t["class"] == first["class"] for t in trees):
+        return {"stateful": merge_trees([t["stateful"] for t in trees]), "class": first["class"]}
+    return {PER_RANK: True}
+
+
+@dataclasses.dataclass
+class RestorePlan:
+    manifest: Manifest
+    reads: list[ReadBox]
+    loads: list[Callable[[], None]]
+    values: dict
+
+    def missing(self, sources: Sources) -> list[str]:
+        """Every shard this rank needs and cannot reach, as 'key (file, written by rank r)'."""
+        out = []
+        for read in self.reads:
+            for shard in overlapping(read):
+                if sources.pick(shard) is None:
+                    f = shard.chunks[0].file
+                    out.append(f"{read.entry.key} ({f}, written by rank {sources.rank_of.get(f, '?')})")
+        return out
+
+
+def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, codecs: tuple[Codec, ...], strict: bool) -> RestorePlan:
+    """Check `state` against the manifest; raise CheckpointMismatchError listing every problem."""
+    if not isinstance(state, MutableMapping):
+        raise TypeError(f"restore() needs the dict of objects to restore into, got {type(state).__name__}")
+    if world_size == manifest.world_size:
+        tree = manifest.tree_of(rank)
+    else:
+        tree = merge_trees([manifest.tree_of(r) for r in range(manifest.world_size)])
+    planner = _Planner(manifest, codecs, strict, world_size)
+    values = planner.mapping(state, tree, (), top=True)
+    if planner.problems:
+        raise CheckpointMismatchError(manifest.step, planner.problems)
+    return RestorePlan(manifest, planner.reads, planner.loads, values)
+
+
+def execute(plan: RestorePlan, state: MutableMapping, sources: Sources) -> None:
+    """Read every planned tensor (verified), then apply the loads and values."""
+    reads = sorted(plan.reads, key=_read_order)
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckpt-read") as pool:
+        for fut in [pool.submit(read_box, sources, plan.manifest.step, r) for r in reads]:
+            fut.result()
+    for load in plan.loads:
+        load()
+    for key, value in plan.values.items():
+        if key in state:
+            _assign(state, key, value)
+        else:
+            state[key] = value
+
+
+def _read_order(read: ReadBox) -> tuple:
+    first = next((s.chunks[0] for s in read.entry.shards if s.chunks), None)
+    return (first.file, first.offset) if first else ("", 0)

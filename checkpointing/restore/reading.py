@@ -1,0 +1,167 @@
+"""Reading a step's verified bytes into target boxes (I/O).
+
+Each target covers a box of its global tensor (a DTensor its local shard, a plain tensor all of
+it). Every saved shard overlapping the box is read from a copy this rank can reach (its local
+tier, else the remote one): whole chunks, each verified against its digest, straight into the
+target's memory when the box is exactly one saved shard (the usual same-world case), else through
+a buffer of the shard's rows that hold the box.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+
+import torch
+
+from checkpointing.format.dtypes import dtype_from_name
+from checkpointing.errors import CheckpointCorruptError, CheckpointError
+from checkpointing.format.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, chunk_digest
+from checkpointing.state.sharding import intersect, row_span
+from checkpointing.state.views import tensor_view
+from checkpointing.storage import Storage
+
+log = logging.getLogger("checkpointing")
+
+READ_THREADS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadBox:
+    entry: TensorEntry
+    dest: torch.Tensor  # local memory to fill (a DTensor's local shard)
+    box_offsets: tuple[int, ...]  # the part of the global tensor `dest` holds
+    box_shape: tuple[int, ...]
+
+
+class Sources:
+    """Where this rank reads a step's data files from, in order of preference.
+
+    The local tier holds the files the manifest places on its tier (a missing one there is damage,
+    reported as such) when it holds the step at all (`local` is None when it does not: pruned, or a
+    replaced node); a remote tier, when it holds the step, holds every primary copy. A shard whose
+    local copy fails verification is read again from the remote tier (see read_box).
+    """
+
+    def __init__(self, manifest: Manifest, local: Storage | None, tier: str, remote: Storage | None = None, *, where: str = "") -> None:
+        self.tier_of = {f.path: f.tier for f in manifest.files}
+        self.rank_of = {f.path: f.rank for f in manifest.files}
+        self.local = local
+        self.tier = tier
+        self.remote = remote
+        self.where = where
+        self._lock = threading.Lock()
+        self.remote_bytes = 0  # bytes read from the remote tier (restore's log line)
+        self.fallbacks: list[str] = []  # local copies that failed verification and were read remotely
+
+    def pick(self, shard: ShardEntry) -> tuple[Storage, tuple[ChunkRef, ...]] | None:
+        if self.local is not None:
+            for copy in shard.copies():
+                if not copy or self.tier_of.get(copy[0].file, "") in ("", self.tier):
+                    return self.local, copy
+        if self.remote is not None:
+            return self.remote, shard.chunks
+        return None
+
+    def count_remote(self, nbytes: int) -> None:
+        with self._lock:
+            self.remote_bytes += nbytes
+
+    def fell_back(self, note: str) -> None:
+        with self._lock:
+            self.fallbacks.append(note)
+
+
+def overlapping(read: ReadBox) -> list[ShardEntry]:
+    return [s for s in read.entry.shards if s.chunks and intersect(read.box_offsets, read.box_shape, s.offsets, s.shape)]
+
+
+def read_box(sources: Sources, step: int, read: ReadBox) -> None:
+    """Fill `read.dest` (its box of the global tensor) from every overlapping saved shard."""
+    entry = read.entry
+    if math.prod(read.box_shape) == 0:
+        return
+    for shard in overlapping(read):
+        found = sources.pick(shard)
+        if found is None:
+            raise CheckpointError(
+                f"step {step}, tensor {entry.key!r}: the shard at {list(shard.offsets)} is in {shard.chunks[0].file}, which "
+                f"this rank cannot reach{sources.where}"
+            )
+        storage, chunks = found
+        try:
+            _read_shard(storage, step, entry, shard, chunks, read, sources)
+        except CheckpointCorruptError as exc:
+            if storage is sources.remote or sources.remote is None:
+                raise
+            # the local copy is damaged or gone: the remote tier holds the step, read it from there
+            log.warning("checkpointing: %s; reading this shard from the remote tier %s instead", exc, sources.remote.url)
+            sources.fell_back(str(exc))
+            _read_shard(sources.remote, step, entry, shard, shard.chunks, read, sources)
+
+
+def _read_shard(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], read: ReadBox, sources: Sources) -> None:
+    dest = read.dest
+    if storage is sources.remote:
+        sources.count_remote(sum(c.length for c in chunks))
+    whole = shard.offsets == read.box_offsets and shard.shape == read.box_shape
+    if whole and dest.device.type == "cpu" and dest.is_contiguous():
+        _read_chunks(storage, step, entry, chunks, tensor_view(dest), 0)  # straight into the target
+        return
+    box = intersect(read.box_offsets, read.box_shape, shard.offsets, shard.shape)
+    assert box is not None
+    _copy_box(storage, step, entry, shard, chunks, box, read)
+
+
+def _copy_box(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], box: tuple, read: ReadBox) -> None:
+    """Read the whole chunks that hold `box`'s rows of `shard`, verify them, copy the box into dest."""
+    dtype = dtype_from_name(entry.dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    offsets, shape = box
+    r0, r1 = row_span(offsets, shape, shard.offsets, shard.shape)
+    row_bytes = math.prod(shard.shape[1:]) * size if shard.shape else size
+    lo, hi = r0 * row_bytes, r1 * row_bytes
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c.length)
+    first = max(i for i in range(len(chunks)) if starts[i] <= lo)
+    last = min(i for i in range(1, len(chunks) + 1) if starts[i] >= hi)
+    buf = torch.empty(starts[last] - starts[first], dtype=torch.uint8)
+    _read_chunks(storage, step, entry, chunks[first:last], tensor_view(buf), 0)
+    rows = buf[lo - starts[first] : hi - starts[first]]
+    if (lo - starts[first]) % size:
+        rows = rows.clone()  # a chunk boundary that is not element-aligned
+    if not shard.shape:
+        read.dest.copy_(rows.view(dtype).reshape(()))
+        return
+    rows = rows.view(dtype).reshape((r1 - r0,) + tuple(shard.shape[1:]))
+    src = rows[(slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(offsets[1:], shard.offsets[1:], shape[1:]))]
+    read.dest[tuple(slice(o - b, o - b + n) for o, b, n in zip(offsets, read.box_offsets, shape))].copy_(src)
+
+
+def _read_chunks(storage: Storage, step: int, entry: TensorEntry, chunks: tuple[ChunkRef, ...], view: memoryview, pos: int) -> None:
+    """Read `chunks` (coalescing neighbours in one file) into view[pos:], verifying each digest."""
+    i = 0
+    while i < len(chunks):
+        j = i + 1
+        while j < len(chunks) and chunks[j].file == chunks[i].file and chunks[j].offset == chunks[j - 1].offset + chunks[j - 1].length:
+            j += 1
+        length = sum(c.length for c in chunks[i:j])
+        where = f"step {step}, tensor {entry.key!r}, file {storage.url}/{chunks[i].file}"
+        try:
+            storage.read_into(chunks[i].file, chunks[i].offset, view[pos : pos + length])
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: the data file is missing") from None
+        except EOFError as exc:
+            raise CheckpointCorruptError(f"{where}: truncated ({exc})") from None
+        for c in chunks[i:j]:
+            got = chunk_digest(view[pos : pos + c.length])
+            if got != c.digest:
+                raise CheckpointCorruptError(
+                    f"{where}: bytes {c.offset}..{c.offset + c.length} are damaged ({got} != {c.digest}); "
+                    "restore another step with restore(step=...), or run `checkpointing verify`"
+                )
+            pos += c.length
+        i = j

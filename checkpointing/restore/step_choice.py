@@ -1,0 +1,98 @@
+"""Which step to restore, and where each rank reads it from (orchestration; collective with several ranks).
+
+Candidates are the steps committed on the local tier or on the remote tier, newest first. A step is
+readable by a rank when every shard it needs is on its local tier (the step committed there, the
+shard's file on this rank's tier), or when the remote tier holds the step (it holds every primary
+copy): a replaced node with an empty local directory reads its part remotely, the others locally.
+With several ranks, the ranks then agree on the newest step every rank can read (coordinator.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from checkpointing.tier import catalog
+from checkpointing.state.codecs import Codec
+from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from checkpointing.format.manifest import Manifest
+from checkpointing.restore.planner import RestorePlan, Sources, plan_restore
+from checkpointing.storage import LocalStorage, Storage
+
+log = logging.getLogger("checkpointing")
+
+
+def choose_step(
+    state: Mapping[str, Any],
+    step: int | None,
+    strict: bool,
+    *,
+    local: LocalStorage,
+    remote: Storage | None,
+    remote_steps: set[int],
+    coord: Any,
+    codecs: tuple[Codec, ...],
+) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
+    """The step to restore (None: nothing committed) and, per readable step, its plan and sources."""
+    rank, world_size = coord.rank, coord.world_size
+    local_steps = set(catalog.list_steps(local).committed)
+    committed = local_steps | remote_steps
+    candidates = [step] if step is not None else sorted(committed, reverse=True)
+    plans: dict[int, tuple[RestorePlan, Sources]] = {}
+    where = f"its local tier {local.url}" + (f" or the remote tier {remote.url}" if remote is not None else "")
+    notes = [] if committed else [f"{where} holds no committed step"]
+    error: BaseException | None = None
+    for s in candidates:
+        if s not in committed:
+            notes.append(f"step {s} is not committed in {where}")
+            continue
+        try:
+            manifest = _load_manifest(local if s in local_steps else None, remote if s in remote_steps else None, s)
+            plan = plan_restore(state, manifest, rank=rank, world_size=world_size, codecs=codecs, strict=strict)
+        except CheckpointCorruptError as exc:
+            if step is not None or world_size == 1:
+                error = exc
+                break
+            notes.append(f"step {s}: {exc}")
+            log.warning("checkpointing: rank %d cannot use step %d: %s", rank, s, exc)
+            continue
+        except (CheckpointError, TypeError) as exc:
+            error = exc
+            break
+        remote_note = "no remote tier is configured" if remote is None else f"the remote tier {remote.url} does not hold step {s}"
+        sources = Sources(manifest, local if s in local_steps else None, coord.tiers[rank],
+                          remote=remote if s in remote_steps else None, where=f" (its local tier is {local.url}; {remote_note})")
+        missing = plan.missing(sources)
+        if missing:
+            notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {local.url} does not hold, e.g. {missing[0]}")
+            continue
+        plans[s] = (plan, sources)
+        if world_size == 1 and step is None:
+            break  # one rank: the newest readable step is the answer
+    if world_size == 1:
+        if error is not None:
+            raise error
+        if step is not None and step not in plans:
+            raise CheckpointNotFoundError(f"step {step} cannot be restored: {'; '.join(notes)}")
+        return (max(plans) if plans else None), plans
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        chosen = coord.agree_restore(sorted(plans), "; ".join(notes) or "it can", step, error=failure)
+    except CheckpointError:
+        if error is not None:
+            raise error from None
+        raise
+    return chosen, plans
+
+
+def _load_manifest(local: Storage | None, remote: Storage | None, step: int) -> Manifest:
+    """The step's manifest from the local tier, else (or when the local copy is damaged) from the remote tier."""
+    if local is not None:
+        try:
+            return catalog.load_manifest(local, step)
+        except CheckpointCorruptError as exc:
+            if remote is None:
+                raise
+            log.warning("checkpointing: %s; reading the manifest of step %d from the remote tier %s instead", exc, step, remote.url)
+    assert remote is not None
+    return catalog.load_manifest(remote, step)

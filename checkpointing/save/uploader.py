@@ -1,0 +1,277 @@
+"""The remote tier: upload each committed step in the background and commit it there (orchestration).
+
+Thread: one `ckpt-upload` thread per manager (only with remote=...). The save thread hands it a step
+once the step is committed on the local tier; uploads then run one step at a time, in commit order
+(the same order on every rank, so each upload has the same number `seq` everywhere). Per step:
+
+1. Upload this rank's data: the first `primary_bytes` of each pack file the manifest says this rank
+   wrote (`FileEntry.rank`). Every primary copy lies in that prefix, so a tensor several ranks hold
+   goes up once in total; replicas kept for other local tiers stay local. Files go up from the
+   local copy (os.pread of part-sized ranges): the staging pool is free for the next save already.
+   A resumed upload skips objects that are already on the remote tier with their exact size
+   (objects appear whole: a multipart upload is invisible until completed).
+2. Commit (tiercommit.py): rank 0 writes the manifest, then COMMIT with a conditional create.
+3. Tidy: rank 0 applies keep_remote on the remote tier; the manager applies keep_local (steps still
+   waiting for their upload are never deleted locally).
+
+Failures: a permanent error (or transient ones past the retry budget) fails this step's upload
+only: it is raised as CheckpointUploadError at the next save()/wait(), the local step stays
+committed, and later steps upload normally. Nothing of a failed upload is ever visible as a step
+on the remote tier: without COMMIT it is an incomplete step (removed by retention or `gc`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from checkpointing.tier import catalog
+from checkpointing.tier import collect, pins
+from checkpointing.format import naming
+from checkpointing.dist.coordinator import LocalCoordinator
+from checkpointing.errors import CheckpointConfigError, CheckpointError
+from checkpointing.format.manifest import Manifest, encode_manifest, manifest_digest
+from checkpointing.storage import FsspecStorage, LocalStorage
+from checkpointing.dist.remote_commit import LocalTierCommitter, StoreTierCommitter, TierCommitter, agree_resume
+
+log = logging.getLogger("checkpointing")
+
+
+@dataclasses.dataclass(eq=False)
+class UploadJob:
+    """One step on its way to the remote tier."""
+
+    step: int
+    save: Any = None  # the SaveJob it continues (None: an upload resumed at start-up)
+    manifest: Manifest | None = None
+    manifest_digest: str = ""  # the sha256 its COMMIT names ("" for a resumed upload)
+    seq: int = -1  # upload number, the same on every rank (set by Uploader.submit)
+    t_local: float = 0.0  # perf_counter when the step was committed locally
+    t_done: float = 0.0
+    transfer_s: float = 0.0  # this rank's own data transfer
+    bytes_uploaded: int = 0
+    bytes_present: int = 0  # already on the remote tier (earlier steps' files, or a resumed upload's)
+    pin: str | None = None  # this rank's pin on the remote tier while the upload runs (collect.py)
+    error: BaseException | None = None
+    error_reported: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def resumed(self) -> bool:
+        return self.save is None
+
+    @property
+    def upload_s(self) -> float:
+        return max(0.0, self.t_done - self.t_local)
+
+
+class Uploader:
+    """The upload thread and its queue; `on_finish(job)` runs on that thread after each job."""
+
+    def __init__(
+        self,
+        local: LocalStorage,
+        remote: FsspecStorage,
+        committer: TierCommitter,
+        *,
+        rank: int,
+        keep_remote: int | None,
+        on_finish: Callable[[UploadJob], None],
+    ) -> None:
+        self.local, self.remote, self.committer = local, remote, committer
+        self.rank, self.keep_remote, self.on_finish = rank, keep_remote, on_finish
+        self._queue: queue.Queue[UploadJob | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: list[UploadJob] = []  # queued or running, in order
+        self._seq = 0
+        self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
+        self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
+        self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: UploadJob) -> None:
+        with self._lock:
+            job.seq = self._seq
+            self._seq += 1
+            self._pending.append(job)
+        self._queue.put(job)
+
+    def pending_steps(self) -> set[int]:
+        with self._lock:
+            return {j.step for j in self._pending}
+
+    def remote_steps(self) -> set[int]:
+        """Steps committed on the remote tier as this rank last saw them (no request: for save()'s checks)."""
+        with self._lock:
+            return set(self._remote_steps)
+
+    def saw_remote(self, *, added: Iterable[int] = (), removed: Iterable[int] = ()) -> None:
+        """Record steps this rank committed on (or removed from) the remote tier."""
+        with self._lock:
+            self._remote_steps |= set(added)
+            self._remote_steps -= set(removed)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.committer.close()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: UploadJob) -> None:
+        """Upload, commit, tidy; never raises (the error is kept on the job)."""
+        assert job.manifest is not None
+        try:
+            error: BaseException | None = None
+            try:
+                self._upload_own(job)
+            except BaseException as exc:  # noqa: BLE001 - reported through the committer, then kept
+                error = exc
+            self.committer.commit(job, error, job.transfer_s)
+            self.saw_remote(added={job.step})
+            digest = job.manifest_digest or manifest_digest(encode_manifest(job.manifest))  # resumed: not known yet
+            self._base = (job.step, digest, frozenset(f.path for f in job.manifest.files))
+        except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
+            job.error = exc
+        pins.remove_pin(self.remote, job.pin)
+        job.t_done = time.perf_counter()
+        if job.error is None and self.rank == 0:
+            self._retain(job.step)
+        with self._lock:
+            self._pending.remove(job)
+        try:
+            self.on_finish(job)
+        finally:
+            job.done.set()
+
+    def _upload_own(self, job: UploadJob) -> None:
+        """Send this rank's files of the step. Files of earlier steps (an incremental save's) that
+        the newest remote step lists are there already: the pin, then the check that the step is
+        still committed, keep a concurrent gc from removing them (collect.py)."""
+        assert job.manifest is not None
+        t0 = time.perf_counter()
+        try:
+            mine = [f for f in job.manifest.files if f.rank == self.rank and f.primary_bytes > 0]
+            own_dir = naming.step_dir(job.step) + "/"
+            earlier = [f.path for f in mine if not f.path.startswith(own_dir)]
+            job.pin = pins.write_pin(self.remote, job.step, self.rank, naming.new_token(), earlier)
+            there = self._protected_files() if earlier else frozenset()
+            for f in mine:
+                if f.path in there or (job.resumed and self.remote.exists_with_size(f.path, f.primary_bytes)):
+                    job.bytes_present += f.primary_bytes
+                    continue
+                path = Path(self.local.root, f.path)
+                try:
+                    have = os.stat(path).st_size
+                except FileNotFoundError:
+                    have = -1
+                if have < f.primary_bytes:
+                    raise CheckpointError(
+                        f"step {job.step}: the local copy {path} is {'missing' if have < 0 else f'{have} bytes'}, "
+                        f"{f.primary_bytes} bytes must go to the remote tier"
+                    )
+                self.remote.upload_file(path, f.path, f.primary_bytes)
+                job.bytes_uploaded += f.primary_bytes
+        finally:
+            job.transfer_s = time.perf_counter() - t0
+
+    def _protected_files(self) -> frozenset[str]:
+        """The files of the newest step committed on the remote tier, if it still is (after our pin)."""
+        if self._base is None:
+            newest = max(self.remote_steps(), default=None)
+            if newest is None:
+                return frozenset()
+            try:
+                manifest = catalog.load_manifest(self.remote, newest)
+            except (CheckpointError, OSError):
+                return frozenset()
+            self._base = (newest, manifest_digest(encode_manifest(manifest)), frozenset(f.path for f in manifest.files))
+        step, digest, files = self._base
+        return files if pins.still_committed(self.remote, step, digest) else frozenset()
+
+    def _retain(self, step: int) -> None:
+        """Rank 0 after a remote commit: keep_remote, and what no remote step or upload in flight references."""
+        try:
+            doomed: list[int] = []
+            if self.keep_remote is not None:
+                from checkpointing.plan.retention import steps_to_delete
+
+                doomed = steps_to_delete(catalog.list_steps(self.remote).committed, self.keep_remote, protect=step)
+            result = collect.collect(self.remote, retire=doomed, protect=self.pending_steps(), scan_committed=False)
+            self.saw_remote(removed=result.retired)
+            for p in result.problems:
+                log.warning("checkpointing: retention on the remote tier %s kept every data file: %s", self.remote.url, p)
+        except Exception as exc:  # noqa: BLE001 - retried after the next upload; never stop the thread
+            log.warning("checkpointing: retention on the remote tier after step %d failed: %s", step, exc)
+
+
+def start_uploader(
+    local: LocalStorage, remote: FsspecStorage, coord: Any, *, keep_remote: int | None, on_finish: Callable[[UploadJob], None]
+) -> tuple[Uploader, list[UploadJob]]:
+    """Start the upload thread, and resume the uploads an earlier process did not finish (a collective call).
+
+    Resumed: the steps committed on every rank's local tier, newer than the newest step on the
+    remote tier, whose files each rank still holds (the ranks agree through the store).
+    """
+    try:
+        listing = catalog.list_steps(remote)
+    except (OSError, CheckpointError) as exc:
+        raise CheckpointConfigError(f"cannot use the remote tier {remote.url}: {exc}") from None
+    committer: TierCommitter = (
+        LocalTierCommitter(local, remote) if isinstance(coord, LocalCoordinator) else StoreTierCommitter(coord, local, remote)
+    )
+    uploader = Uploader(local, remote, committer, rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish)
+    uploader.saw_remote(added=set(listing.committed))
+    mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
+    agreed = agree_resume(coord, sorted(mine))
+    if coord.rank == 0:  # one job per prefix: a pin no upload of ours will remove is a crashed upload's
+        try:
+            collect.collect(remote, protect=set(agreed), pin_ttl_s=0, scan_committed=False)
+        except OSError as exc:
+            log.warning("checkpointing: could not tidy the remote tier %s: %s", remote.url, exc)
+    resumed = []
+    for step in agreed:
+        log.info("checkpointing: step %d is committed locally but not on %s: resuming its upload", step, remote.url)
+        job = UploadJob(step, manifest=mine[step], t_local=time.perf_counter())
+        uploader.submit(job)
+        resumed.append(job)
+    return uploader, resumed
+
+
+def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank: int, world_size: int) -> dict[int, Manifest]:
+    """Local committed steps newer than the newest remote one whose upload this rank can do (its files are here)."""
+    newest = max(remote_committed, default=-1)
+    out: dict[int, Manifest] = {}
+    for step in catalog.list_steps(local).committed:
+        if step <= newest:
+            continue
+        try:
+            manifest = catalog.load_manifest(local, step)
+        except CheckpointError as exc:
+            log.warning("checkpointing: not uploading step %d: %s", step, exc)
+            continue
+        if manifest.world_size != world_size:
+            log.info("checkpointing: not uploading step %d (saved by %d ranks, this job has %d)", step, manifest.world_size, world_size)
+            continue
+        mine = [f for f in manifest.files if f.rank == rank and f.primary_bytes]
+        if all(_local_size(local, f.path) >= f.primary_bytes for f in mine):
+            out[step] = manifest
+    return out
+
+
+def _local_size(local: LocalStorage, path: str) -> int:
+    try:
+        return local.size(path)
+    except FileNotFoundError:
+        return -1

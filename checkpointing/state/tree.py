@@ -1,0 +1,196 @@
+"""Flatten a user state into a JSON tree plus a list of tensor leaves (pure: no I/O).
+
+The tree keeps every non-tensor value and the exact container structure (dict keys may be str or
+int, tuples stay tuples); each tensor is replaced by a reference into the leaf list. Tensors that
+alias the same memory (tied weights) become one leaf referenced twice.
+
+Node kinds (the manifest's `tree`, see docs/format.md):
+    {"dict": [[key, node], ...]}   {"list": [node, ...]}   {"tuple": [node, ...]}
+    {"value": None|bool|int|str|finite float}   {"float": "nan"|"inf"|"-inf"}   {"bytes": base64}
+    {"tensor": index}   {"ndarray": index}
+    {"stateful": node, "class": "module.Qualname"}   {"codec": name, "data": json-like}
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from checkpointing.state.codecs import Codec, find_codec
+from checkpointing.errors import ManifestError, StateError
+from checkpointing.format.manifest import check_tree
+from checkpointing.state.sharding import ShardLayout, dtensor_layout, is_dtensor, local_tensor
+
+NUMPY_KINDS = frozenset("biufc")
+MAX_INT_BITS = 4096  # far below CPython's int <-> str conversion limit
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One tensor to checkpoint. `tensor` is live user memory until the snapshot copies it."""
+
+    key: str
+    tensor: torch.Tensor  # for a DTensor: its local shard
+    deferred: bool  # True: copying may wait until the guard (only the optimizer step mutates it)
+    layout: ShardLayout | None = None  # set for DTensor shards; None: a plain (per-rank) tensor
+
+
+@dataclasses.dataclass
+class FlatState:
+    tree: dict[str, Any]
+    leaves: list[Leaf]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in self.leaves)
+
+
+def escape_segment(seg: str | int) -> str:
+    return str(seg).replace("%", "%25").replace("/", "%2F")
+
+
+def join_key(path: tuple[str | int, ...]) -> str:
+    return "/".join(escape_segment(s) for s in path)
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def class_name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def encode_float(x: float) -> dict[str, Any]:
+    if math.isfinite(x):
+        return {"value": x}
+    return {"float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), eager: bool = False) -> FlatState:
+    """Walk `state`; raise StateError naming the key of anything that cannot be checkpointed."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"state must be a dict of name -> value, got {type(state).__name__}")
+    walker = _Walker(codecs, eager)
+    tree = walker.visit_mapping(state, ())
+    try:  # what save writes, restore must be able to read: the decoder's own checks, now
+        check_tree(tree, len(walker.leaves), "state")
+    except ManifestError as exc:
+        raise StateError(f"{exc}: flatten that part of the state or encode it with a codec") from None
+    return FlatState(tree, walker.leaves)
+
+
+class _Walker:
+    def __init__(self, codecs: tuple[Codec, ...], eager: bool) -> None:
+        self.codecs = codecs
+        self.eager = eager
+        self.leaves: list[Leaf] = []
+        self._alias: dict[tuple, int] = {}
+
+    def visit_mapping(self, obj: Mapping, path: tuple, deferred: frozenset | bool = False) -> dict[str, Any]:
+        items = []
+        for k, v in obj.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise StateError(
+                    f"state key {k!r} at {join_key(path) or '<root>'} is a {type(k).__name__}: "
+                    "dict keys must be str or int"
+                )
+            if isinstance(k, int) and k.bit_length() > MAX_INT_BITS:
+                raise StateError(f"state key at {join_key(path) or '<root>'} is an integer of {k.bit_length()} bits: use a smaller key")
+            items.append([k, self.visit(v, path + (k,), deferred)])
+        return {"dict": items}
+
+    def visit(self, obj: Any, path: tuple, deferred: frozenset | bool) -> dict[str, Any]:
+        if isinstance(obj, torch.Tensor):
+            return {"tensor": self.add_tensor(obj, path, deferred)}
+        if isinstance(obj, np.ndarray):
+            return {"ndarray": self.add_ndarray(obj, path)}
+        if obj is None or isinstance(obj, bool):
+            return {"value": obj}
+        if isinstance(obj, int):
+            if obj.bit_length() > MAX_INT_BITS:
+                raise StateError(f"state[{join_key(path)!r}] is an integer of {obj.bit_length()} bits: store it as a string or bytes")
+            return {"value": int(obj)}
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise StateError(f"state[{join_key(path)!r}] is a string that is not valid UTF-8 ({exc.reason}): store it as bytes") from None
+            return {"value": obj}
+        if isinstance(obj, float):
+            return encode_float(obj)
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
+            return self.visit(obj.item(), path, deferred)
+        if isinstance(obj, (bytes, bytearray)):
+            return {"bytes": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, Mapping):
+            return self.visit_mapping(obj, path, deferred)
+        if isinstance(obj, list):
+            return {"list": [self.visit(v, path + (i,), deferred) for i, v in enumerate(obj)]}
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return {"tuple": [self.visit(v, path + (i,), deferred) for i, v in enumerate(obj)]}
+        codec = find_codec(self.codecs, obj)
+        if codec is not None:
+            return self.visit_codec(codec, obj, path)
+        if is_stateful(obj):
+            return self.visit_stateful(obj, path)
+        raise StateError(
+            f"state[{join_key(path)!r}] is a {class_name(obj)}, which is not checkpointable: pass "
+            "tensors, numpy arrays, JSON-like values, or objects with state_dict()/load_state_dict(); "
+            "for other objects give CheckpointManager(codecs=[...]) a codec (restore never unpickles by default)"
+        )
+
+    def visit_stateful(self, obj: Any, path: tuple) -> dict[str, Any]:
+        deferred: frozenset | bool = False
+        if not self.eager:
+            if isinstance(obj, torch.optim.Optimizer):
+                deferred = True  # optimizer state changes only inside optimizer.step()
+            elif isinstance(obj, torch.nn.Module):
+                # parameters change only in optimizer.step(); buffers (BatchNorm stats) change in forward
+                deferred = frozenset(local_tensor(p).untyped_storage().data_ptr() for p in obj.parameters())
+        sd = obj.state_dict()
+        if not isinstance(sd, Mapping):
+            raise StateError(f"state[{join_key(path)!r}].state_dict() returned a {type(sd).__name__}, not a dict")
+        return {"stateful": self.visit_mapping(sd, path, deferred), "class": class_name(obj)}
+
+    def visit_codec(self, codec: Codec, obj: Any, path: tuple) -> dict[str, Any]:
+        data = codec.encode(obj)
+        try:
+            json.dumps(data, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise StateError(f"codec {codec.name!r} returned non-JSON data for state[{join_key(path)!r}]: {exc}") from exc
+        return {"codec": codec.name, "data": data}
+
+    def add_tensor(self, t: torch.Tensor, path: tuple, deferred: frozenset | bool) -> int:
+        key = join_key(path)
+        layout = None
+        if is_dtensor(t):
+            t, layout = dtensor_layout(t.detach(), key)
+        elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise StateError(f"state[{key!r}] is a {class_name(t)}: pass a plain tensor or a DTensor (tensor subclasses are not supported)")
+        if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise StateError(f"state[{key!r}] is a {t.layout}/{t.device.type} tensor: convert it to a dense tensor first")
+        t = t.detach()
+        storage_ptr = t.untyped_storage().data_ptr()
+        alias_key = (t.device, storage_ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, layout)
+        if t.numel() and alias_key in self._alias:
+            return self._alias[alias_key]
+        if isinstance(deferred, frozenset):
+            deferred = storage_ptr in deferred
+        self.leaves.append(Leaf(key, t, bool(deferred) and not self.eager, layout))
+        self._alias[alias_key] = len(self.leaves) - 1
+        return len(self.leaves) - 1
+
+    def add_ndarray(self, a: np.ndarray, path: tuple) -> int:
+        if a.dtype.kind not in NUMPY_KINDS or a.dtype.byteorder == ">":
+            raise StateError(f"state[{join_key(path)!r}] is a numpy array of dtype {a.dtype}: only native numeric/bool arrays can be checkpointed")
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        self.leaves.append(Leaf(join_key(path), t, False))
+        return len(self.leaves) - 1

@@ -1,0 +1,62 @@
+"""Pins: a save in flight marks its step, and the earlier files it may take chunks from (I/O).
+
+The writer's half of the collection protocol in collect.py (docs/format.md, "Pins and garbage
+collection"): W1 pin the step before creating any file there, W2 confirm the base step is still
+committed, remove the pin once the step committed or failed. Collectors read pins (G3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Iterable
+
+from checkpointing.errors import ManifestError
+from checkpointing.format import naming
+from checkpointing.format.manifest import FORMAT_VERSION, canonical_json
+from checkpointing.storage import Storage
+from checkpointing.tier import catalog
+
+log = logging.getLogger("checkpointing")
+
+PIN_PREFIX = "PIN."
+
+
+def pin_name(step: int, rank: int, token: str) -> str:
+    return f"{naming.step_dir(step)}/{PIN_PREFIX}r{rank:05d}.{token}.json"
+
+
+def write_pin(storage: Storage, step: int, rank: int, token: str, files: Iterable[str]) -> str:
+    """Pin `step` for a save in flight that may take chunks from `files`; returns the pin's path."""
+    path = pin_name(step, rank, token)
+    # not fsynced: a pin protects files from collectors running now; after a power cut its save is dead anyway
+    storage.put(path, canonical_json({"format_version": FORMAT_VERSION, "step": step, "rank": rank, "files": sorted(files)}),
+                durable=False)
+    return path
+
+
+def remove_pin(storage: Storage, path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        storage.delete(path)
+    except OSError as exc:  # a stale pin only delays collection; the writer removes it when it restarts
+        log.warning("checkpointing: could not remove the pin %s/%s: %s", storage.url, path, exc)
+
+
+def read_pin(storage: Storage, path: str) -> list[str]:
+    """The files a pin protects; ManifestError when it cannot be read (then nothing may be collected)."""
+    where = f"{storage.url}/{path}"
+    try:
+        obj = json.loads(storage.get(path))
+        files = obj["files"]
+        if not isinstance(files, list):
+            raise TypeError("files is not a list")
+        return [naming.check_relpath(f, what=f"{where}: file") for f in files]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"pin {where} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def still_committed(storage: Storage, step: int, manifest_digest: str) -> bool:
+    """Is `step` committed with the manifest whose sha256 is `manifest_digest`? (W2 of the protocol)"""
+    return catalog.committed_digest(storage, step) == manifest_digest
