@@ -137,7 +137,7 @@ class ManagerOptions:
             )
 
     def _check_remote(self) -> None:
-        from checkpointing.storage.retry import redact_url
+        from checkpointing.storage.redact import redact_url
 
         if self.remote is None:
             if self.storage_options:

@@ -1,10 +1,11 @@
 """Fault injection by wrapping a REAL backend: the fsspec filesystem inside an FsspecStorage.
 
-`inject(storage, Fault("upload_part", "slowdown", times=2))` replaces `storage.fs` with a FaultyFS
-proxy. Every request still goes to the real filesystem (the moto server, memory, a directory);
-chosen calls fail first, the way the S3 stack would fail them: s3fs-translated ClientErrors (503
-SlowDown, 500, 403), connection resets, read timeouts, bodies cut short, responses lost after the
-server acted, or a crash (an exception that is not a storage error at all, as if the process died).
+`inject(storage, Fault("upload_part", "slowdown", times=2))` replaces the filesystem of the storage's
+Endpoint (`storage.endpoint.fs`) with a FaultyFS proxy, underneath the retry wrapper. Every request
+still goes to the real filesystem (the moto server, memory, a directory); chosen calls fail first,
+the way the S3 stack would fail them: s3fs-translated ClientErrors (503 SlowDown, 500, 403),
+connection resets, read timeouts, bodies cut short, responses lost after the server acted, or a
+crash (an exception that is not a storage error at all, as if the process died).
 
 Operations are s3fs `call_s3` method names (put_object, upload_part, complete_multipart_upload,
 list_objects_v2, ...) and the generic filesystem methods FsspecStorage uses (cat_file, pipe_file,
@@ -151,6 +152,6 @@ def _halve_body(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def inject(storage: FsspecStorage, *faults: Fault, latency_s: float = 0.0) -> FaultyFS:
     """Wrap `storage`'s filesystem in a FaultyFS (all later calls go through it) and return the proxy."""
-    proxy = FaultyFS(storage.fs, *faults, latency_s=latency_s)
-    storage.fs = proxy
+    proxy = FaultyFS(storage.endpoint.fs, *faults, latency_s=latency_s)
+    storage.endpoint.fs = proxy
     return proxy

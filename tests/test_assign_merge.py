@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointing.plan.assign import OTHER, PRIMARY, TIER, UNIQUE, LeafInfo, assign_regions
-from checkpointing.format.manifest import decode_manifest, encode_manifest
+from checkpointing.format.decode import decode_manifest
+from checkpointing.format.manifest import encode_manifest
 from checkpointing.format.rank_reports import MergeError, PartLeaf, RankPart, decode_part, encode_part, leaf_digest, merge_parts
 
 

@@ -13,7 +13,8 @@ from s3_server import KEY, SECRET, client, s3_bucket, s3_endpoint  # noqa: F401 
 
 from _models import child_env
 from checkpointing import CheckpointManager, CheckpointUploadError
-from checkpointing.cli.app import _storage_options, main
+from checkpointing.cli.app import main
+from checkpointing.cli.targets import storage_options
 
 MiB = 1 << 20
 
@@ -40,7 +41,7 @@ def opts(options: dict) -> list[str]:
 
 
 def test_storage_options_parse_nested_and_typed():
-    assert _storage_options(["a=1", "b=true", "c.d=x", "c.e=2.5", "u=http://h:9/p?q=1"]) == {
+    assert storage_options(["a=1", "b=true", "c.d=x", "c.e=2.5", "u=http://h:9/p?q=1"]) == {
         "a": 1, "b": True, "c": {"d": "x", "e": 2.5}, "u": "http://h:9/p?q=1"}
     assert main(["ls", "s3://b/p", "-o", "novalue"]) == 2
 

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from checkpointing.format import naming
 from checkpointing.format.dtypes import BY_NAME, itemsize
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, ManifestError
+from checkpointing.format.decode import MAX_TREE_DEPTH, decode_commit, decode_manifest
 from checkpointing.format.manifest import (
     CHUNK_DIGEST,
     FORMAT_VERSION,
-    MAX_TREE_DEPTH,
     ChunkRef,
     FileEntry,
     CommitMarker,
@@ -34,8 +34,6 @@ from checkpointing.format.manifest import (
     ShardEntry,
     TensorEntry,
     canonical_json,
-    decode_commit,
-    decode_manifest,
     encode_commit,
     encode_manifest,
     manifest_digest,

@@ -19,15 +19,8 @@ from s3_server import KEY, SECRET, client, new_bucket, s3_bucket, s3_endpoint, s
 
 from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.storage import FsspecStorage, LocalStorage, RemoteStorageError, RetryPolicy, open_storage
-from checkpointing.storage.retry import (
-    HINT_BUCKET,
-    HINT_CREDENTIALS,
-    ErrorKind,
-    classify,
-    redact_url,
-    retry_call,
-    secret_values,
-)
+from checkpointing.storage.redact import redact_url, secret_values
+from checkpointing.storage.retry import HINT_BUCKET, HINT_CREDENTIALS, ErrorKind, classify, retry_call
 
 MiB = 1 << 20
 FAST = RetryPolicy(attempts=4, base_s=0.001, cap_s=0.005)
@@ -253,6 +246,19 @@ def test_transient_faults_are_retried_on_every_operation(s3_bucket):
     assert s.get("a/big") == data
     assert all(f.fired == f.times for f in faults.faults), [(f.op, f.fired) for f in faults.faults]
     assert faults.count("put_object") == 3 and faults.count("complete_multipart_upload") == 2
+
+
+def test_the_retry_wrapper_takes_a_new_policy_for_later_requests():
+    """Every request runs under the storage's retry wrapper; setting `retry` replaces its policy."""
+    s = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/r", retry=RetryPolicy(attempts=1))
+    faults = inject(s, Fault("pipe_file", "reset", times=2))
+    with pytest.raises(RemoteStorageError, match=r"put memory://.*/r/a failed: ConnectionResetError"):
+        s.put("a", b"x")  # one attempt: the transient error is final
+    s.retry = FAST
+    assert s.retry == FAST
+    s.put("a", b"x")  # the second fault is retried under the new policy
+    assert s.get("a") == b"x" and faults.count("pipe_file") == 3
+    s.delete("")
 
 
 def test_lost_response_to_a_complete_is_not_a_failure(s3_bucket):

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from checkpointing.plan import advice
 from checkpointing.cli import report
+from checkpointing.observe import summary
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.observe.metrics import SaveStats, append_jsonl
 from checkpointing.observe.steptime import StepClock
@@ -78,7 +79,7 @@ def test_a_rank_column_when_several_ranks_share_the_file():
     recs = [stats(5, 0.1 + 0.1 * r).as_dict() | {"rank": r, "world_size": 2} for r in range(2)]
     text = render(report.saves_table(recs))
     assert "rank" in text and "100.0 ms" in text and "200.0 ms" in text
-    assert [row["rank"] for row in report.to_json(recs)["saves"]] == [0, 1]
+    assert [row["rank"] for row in summary.to_json(recs)["saves"]] == [0, 1]
     assert "rank" not in render(report.saves_table([stats(5, 0.1).as_dict()]))
 
 
@@ -87,27 +88,27 @@ def test_unknown_missing_and_malformed_fields_are_tolerated():
             {"stall_s": 0.3, "ok": "yes?", "tier": ["x"], "error": None}]
     text = render(report.saves_table(recs))
     assert "300.0 ms" in text and "from_the_future" not in text
-    s = report.summarize(recs)
+    s = summary.summarize(recs)
     assert s.saves == 3 and s.ok == 3 and s.stall_s.p50 == pytest.approx(0.3)
-    rows = report.to_json(recs)["saves"]
+    rows = summary.to_json(recs)["saves"]
     assert rows[0]["stall_s"] is None and rows[1]["total_s"] is None and rows[2]["step"] is None
     assert rows[0]["bytes_total"] is None and rows[2]["tier"] is None  # no NaN or nested values in the JSON
-    json.dumps(report.to_json(recs), allow_nan=False)
+    json.dumps(summary.to_json(recs), allow_nan=False)
     with pytest.raises(CheckpointConfigError, match="cost"):
-        report.summarize([{"step": 1}], mtbf_s=3600.0)
+        summary.summarize([{"step": 1}], mtbf_s=3600.0)
 
 
 def test_percentiles_by_hand():
     # sorted 0.1 0.2 0.3 0.4; p50 at rank 1.5 -> 0.25; p90 at 2.7 -> 0.3 + 0.7*0.1 = 0.37;
     # p99 at 2.97 -> 0.397; max 0.4; mean 0.25
-    s = report.Spread.of([0.4, 0.1, 0.3, 0.2])
+    s = summary.Spread.of([0.4, 0.1, 0.3, 0.2])
     assert (s.p50, s.p90, s.p99, s.max, s.mean) == pytest.approx((0.25, 0.37, 0.397, 0.4, 0.25))
-    assert report.Spread.of([]) is None
-    assert report.Spread.of([2.0]) == report.Spread(2.0, 2.0, 2.0, 2.0, 2.0)
+    assert summary.Spread.of([]) is None
+    assert summary.Spread.of([2.0]) == summary.Spread(2.0, 2.0, 2.0, 2.0, 2.0)
 
 
 def test_summary_counts_good_saves_and_advises_from_the_median_cost(records):
-    s = report.summarize(records)
+    s = summary.summarize(records)
     assert (s.saves, s.ok, s.failed) == (5, 4, 1)
     assert s.stall_s.max == pytest.approx(0.4)  # the failed save's 9 s stall is only counted
     assert s.total_s.p50 == pytest.approx(1.7)
@@ -117,7 +118,7 @@ def test_summary_counts_good_saves_and_advises_from_the_median_cost(records):
     # with slowdown and step time: costs 0.1+0.5, 0.2+0.5, 0.3+0.5, 0.4+0.5 -> median 0.75 s
     for r in records:
         r.update(slowdown_s=0.5, step_time_s=0.25)
-    s = report.summarize(records, mtbf_s=24 * 3600.0)
+    s = summary.summarize(records, mtbf_s=24 * 3600.0)
     assert s.cost_s.p50 == pytest.approx(0.75)
     assert s.advice == advice.advise(s.cost_s.p50, 86400.0, step_time_s=0.25)
     # Young: sqrt(2 * 0.75 * 86400) = sqrt(129600) = 360 s; Daly just below
@@ -131,14 +132,14 @@ def test_summary_counts_good_saves_and_advises_from_the_median_cost(records):
 
 def test_cost_uses_step_stall_without_the_wait_for_the_previous_save():
     rec = {"step": 1, "ok": True, "wait_prev_s": 0.3, "step_stall_s": 0.5, "slowdown_s": 0.1}
-    assert report.summarize([rec], mtbf_s=100.0).advice.cost_s == pytest.approx(0.2 + 0.1)
+    assert summary.summarize([rec], mtbf_s=100.0).advice.cost_s == pytest.approx(0.2 + 0.1)
 
 
 def test_json_has_stable_documented_keys(records):
-    doc = report.to_json(records, mtbf_s=3600.0, source="ckpt")
+    doc = summary.to_json(records, mtbf_s=3600.0, source="ckpt")
     assert list(doc) == ["schema", "source", "plot", "saves", "summary", "advice"]
     assert doc["schema"] == "checkpointing.report/1" and doc["source"] == "ckpt" and doc["plot"] is None
-    assert all(tuple(row) == report.SAVE_KEYS for row in doc["saves"])
+    assert all(tuple(row) == summary.SAVE_KEYS for row in doc["saves"])
     assert [row["ok"] for row in doc["saves"]] == [True, True, False, True, True]
     assert set(doc["summary"]) == {"saves", "ok", "failed", "stall_s", "total_s", "cost_s", "step_stall_s", "slowdown_s",
                                    "overhead_pct", "write_bytes_per_s", "upload_bytes_per_s", "bytes_written",
@@ -146,7 +147,7 @@ def test_json_has_stable_documented_keys(records):
     assert set(doc["summary"]["stall_s"]) == {"p50", "p90", "p99", "max", "mean"}
     assert doc["advice"]["young_s"] == pytest.approx(advice.young_interval(0.25, 3600.0))
     assert json.loads(json.dumps(doc)) == doc
-    assert report.to_json(records)["advice"] is None
+    assert summary.to_json(records)["advice"] is None
 
 
 def test_load_records_from_a_directory_a_file_or_a_file_url(tmp_path):
@@ -154,17 +155,17 @@ def test_load_records_from_a_directory_a_file_or_a_file_url(tmp_path):
         append_jsonl(tmp_path / "metrics.jsonl", stats(i, 0.1))
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "torn\n42\n\n')  # a torn line and a non-object are skipped
-    assert [r["step"] for r in report.load_records(tmp_path)] == [0, 1, 2]
-    assert len(report.load_records(tmp_path / "metrics.jsonl")) == 3
-    assert len(report.load_records(f"file://{tmp_path}")) == 3
-    assert report.load_records(tmp_path / "metrics.jsonl") == report.load_records(str(tmp_path))
+    assert [r["step"] for r in summary.load_records(tmp_path)] == [0, 1, 2]
+    assert len(summary.load_records(tmp_path / "metrics.jsonl")) == 3
+    assert len(summary.load_records(f"file://{tmp_path}")) == 3
+    assert summary.load_records(tmp_path / "metrics.jsonl") == summary.load_records(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert report.load_records(empty) == []
+    assert summary.load_records(empty) == []
     with pytest.raises(CheckpointConfigError, match="no such"):
-        report.load_records(tmp_path / "missing")
+        summary.load_records(tmp_path / "missing")
     with pytest.raises(CheckpointConfigError, match="s3:// is not supported yet"):
-        report.load_records("s3://bucket/run1")
+        summary.load_records("s3://bucket/run1")
 
 
 def test_png_is_1200_by_700_with_and_without_step_times(tmp_path, records):
@@ -261,4 +262,4 @@ def test_step_accounting_fields_flow_into_the_report():
     rec = stats(4, 0.2).as_dict() | cost.as_metrics()
     text = render(report.saves_table([rec]))
     assert "step stall" in text and "slowdown" in text and "300.0 ms" in text and "overhead" in text
-    assert report.summarize([rec]).cost_s.p50 == pytest.approx(0.5)
+    assert summary.summarize([rec]).cost_s.p50 == pytest.approx(0.5)

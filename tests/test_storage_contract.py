@@ -11,6 +11,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -229,6 +230,34 @@ class TestContract:
         assert storage.list("f") == []
         storage.delete("f/x")
         assert storage.get("f") == b"file"
+
+    def test_mtime(self, storage):
+        """When an object last changed, as the store records it (object stores: to the second)."""
+        before = time.time()
+        storage.put("d/a", PAYLOAD)
+        after = time.time()
+        first = storage.mtime("d/a")
+        assert before - 2 <= first <= after + 2, (before, first, after)
+        storage.put("d/a", b"changed")
+        assert first <= storage.mtime("d/a") <= time.time() + 2
+        with pytest.raises(FileNotFoundError):
+            storage.mtime("nope")
+        with pytest.raises(FileNotFoundError):
+            storage.mtime("d/a/below")  # below a file: missing too
+
+    def test_exists_with_size(self, storage):
+        """True only for an object of exactly that size (what a resumed upload skips)."""
+        storage.put("d/a", PAYLOAD)
+        storage.put("d/empty", b"")
+        assert storage.exists_with_size("d/a", len(PAYLOAD))
+        assert not storage.exists_with_size("d/a", len(PAYLOAD) - 1)
+        assert not storage.exists_with_size("d/a", len(PAYLOAD) + 1)
+        assert storage.exists_with_size("d/empty", 0)
+        assert not storage.exists_with_size("d/empty", 1)
+        assert not storage.exists_with_size("nope", 0)
+        assert not storage.exists_with_size("d/a/below", 0)
+        storage.delete("d/a")
+        assert not storage.exists_with_size("d/a", len(PAYLOAD))
 
     def test_read_into_ranges(self, storage):
         storage.put("d/f", PAYLOAD)

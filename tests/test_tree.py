@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from checkpointing import PickleCodec, StateError
 from checkpointing.format.dtypes import dtype_name
 from checkpointing.errors import ManifestError
-from checkpointing.format.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, decode_manifest, encode_manifest
+from checkpointing.format.decode import decode_manifest
+from checkpointing.format.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, encode_manifest
 from checkpointing.state.tree import flatten_state, join_key
 
 

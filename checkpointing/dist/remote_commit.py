@@ -1,9 +1,11 @@
 """Committing a step on the remote tier, with one rank or across ranks (I/O through the store).
 
-Every rank uploads its own data files of a step (tiering.py), then calls `commit(job, error)`:
+Every rank uploads its own data files of a step (save/uploader.py), then calls
+`commit(seq, manifest, error, transfer_s)` of the committer its coordinator gives it
+(`Coordinator.remote_committer`):
 
     one rank      write the manifest, then COMMIT (exclusive create), on the remote tier
-    many ranks    through the torch.distributed store, per upload number `seq`:
+    many ranks    through the torch.distributed store, per upload number `seq` (keys.py):
                     up/<seq>/<rank>    each rank's report: its files are up, or its error
                     up/<seq>/status    rank 0's verdict after it committed the step (or why not)
                   rank 0 waits for every report, checks that every data object is on the remote
@@ -13,10 +15,8 @@ Every rank uploads its own data files of a step (tiering.py), then calls `commit
 
 Deadlines: rank 0 waits for the others' reports at most timeout_s + 2x its own transfer time after
 its own upload finished (ranks upload similar shares in parallel); the others wait as long again
-for the verdict. A rank that does not answer is named in the error. The uploader uses a store
+for the verdict. A rank that does not answer is named in the error. The committer uses a store
 connection of its own: the save thread keeps using the coordinator's.
-
-At start-up the ranks also agree here on which interrupted uploads to resume (`agree_resume`).
 """
 
 from __future__ import annotations
@@ -24,21 +24,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Protocol
 
-from checkpointing.tier import catalog
-from checkpointing.dist.coordinator import StoreCoordinator, rank_of, store_errors, wait_keys
+from checkpointing.dist import keys
+from checkpointing.dist.store import store_errors, wait_keys
+from checkpointing.dist.types import StoreRoom
 from checkpointing.errors import CheckpointError, CoordinationTimeout, UploadRanksFailed
 from checkpointing.format.manifest import Manifest
 from checkpointing.storage import Storage
+from checkpointing.tier import catalog
 
 log = logging.getLogger("checkpointing")
-
-
-class TierCommitter(Protocol):
-    def commit(self, job: Any, error: BaseException | None, transfer_s: float) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def commit_remote(local: Storage, remote: Storage, manifest: Manifest) -> None:
@@ -63,15 +58,13 @@ def commit_remote(local: Storage, remote: Storage, manifest: Manifest) -> None:
 class LocalTierCommitter:
     """One rank: commit right after the upload."""
 
-    rank = 0
-
     def __init__(self, local: Storage, remote: Storage) -> None:
         self.local, self.remote = local, remote
 
-    def commit(self, job: Any, error: BaseException | None, transfer_s: float) -> None:
+    def commit(self, seq: int, manifest: Manifest, error: BaseException | None, transfer_s: float) -> None:
         if error is not None:
             raise error
-        commit_remote(self.local, self.remote, job.manifest)
+        commit_remote(self.local, self.remote, manifest)
 
     def close(self) -> None:
         pass
@@ -80,71 +73,54 @@ class LocalTierCommitter:
 class StoreTierCommitter:
     """Many ranks: reports and rank 0's verdict travel through the store (see the module docstring)."""
 
-    def __init__(self, coord: StoreCoordinator, local: Storage, remote: Storage) -> None:
+    def __init__(self, coord: StoreRoom, local: Storage, remote: Storage) -> None:
         self.local, self.remote = local, remote
         self.rank, self.world_size, self.timeout_s = coord.rank, coord.world_size, coord.timeout_s
         self.store = coord.new_store_client()
 
     @store_errors
-    def commit(self, job: Any, error: BaseException | None, transfer_s: float) -> None:
+    def commit(self, seq: int, manifest: Manifest, error: BaseException | None, transfer_s: float) -> None:
         report = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
-        self.store.set(f"up/{job.seq}/{self.rank}", json.dumps(report))
+        self.store.set(keys.upload(seq, self.rank), json.dumps(report))
         deadline = time.monotonic() + self.timeout_s + 2 * transfer_s
         if self.rank == 0:
-            self._decide(job, deadline)
-        status_key = f"up/{job.seq}/status"
-        wait_keys(self.store, [status_key], deadline + self.timeout_s, f"step {job.step}: waiting for rank 0's remote commit",
+            self._decide(seq, manifest, deadline)
+        status_key = keys.upload_status(seq)
+        wait_keys(self.store, [status_key], deadline + self.timeout_s, f"step {manifest.step}: waiting for rank 0's remote commit",
                   keys_rank=lambda k: 0, timeout_s=self.timeout_s)
         status = json.loads(self.store.get(status_key))
         if not status["ok"]:
             raise UploadRanksFailed({int(r): c for r, c in status["failures"].items()})
 
-    def _decide(self, job: Any, deadline: float) -> None:
-        keys = [f"up/{job.seq}/{r}" for r in range(self.world_size)]
+    def _decide(self, seq: int, manifest: Manifest, deadline: float) -> None:
+        reports = [keys.upload(seq, r) for r in range(self.world_size)]
         failures: dict[int, str] = {}
         try:
-            wait_keys(self.store, keys, deadline, f"step {job.step}: waiting for every rank's upload", keys_rank=rank_of,
-                      timeout_s=self.timeout_s)
+            wait_keys(self.store, reports, deadline, f"step {manifest.step}: waiting for every rank's upload", timeout_s=self.timeout_s)
         except CoordinationTimeout as exc:
             failures = {r: str(exc) for r in exc.ranks}
         else:
-            for r, raw in enumerate(self.store.multi_get(keys)):
+            for r, raw in enumerate(self.store.multi_get(reports)):
                 msg = json.loads(raw)
                 if not msg["ok"]:
                     failures[r] = msg["error"]
-        if job.seq > 0:  # every rank is past the previous upload: it waited for that verdict
-            self._forget(job.seq - 1)
+        if seq > 0:  # every rank is past the previous upload: it waited for that verdict
+            self._forget(seq - 1)
         if not failures:
             try:
-                commit_remote(self.local, self.remote, job.manifest)
+                commit_remote(self.local, self.remote, manifest)
             except Exception as exc:  # noqa: BLE001 - the verdict carries it to every rank
                 failures[0] = f"committing on the remote tier: {type(exc).__name__}: {exc}"
         verdict = {"ok": not failures, "failures": {str(r): c for r, c in failures.items()}}
-        self.store.set(f"up/{job.seq}/status", json.dumps(verdict))
+        self.store.set(keys.upload_status(seq), json.dumps(verdict))
 
     def _forget(self, seq: int) -> None:
-        for name in ["status"] + [str(r) for r in range(self.world_size)]:
+        for key in keys.upload_all(seq, self.world_size):
             try:
-                self.store.delete_key(f"up/{seq}/{name}")
+                self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
                 pass
 
     def close(self) -> None:
         pass
 
-
-@store_errors
-def _agree(coord: StoreCoordinator, mine: list[int]) -> list[int]:
-    coord.store.set(f"resume/{coord.rank}", json.dumps(mine))
-    keys = [f"resume/{r}" for r in range(coord.world_size)]
-    wait_keys(coord.store, keys, time.monotonic() + coord.timeout_s, "start-up: agreeing on uploads to resume",
-              keys_rank=rank_of, timeout_s=coord.timeout_s)
-    views = [set(json.loads(v)) for v in coord.store.multi_get(keys)]
-    return sorted(set.intersection(*views))
-
-
-def agree_resume(coord: Any, mine: list[int]) -> list[int]:
-    """The steps every rank can resume uploading (each holds its own files of them locally)."""
-    if not isinstance(coord, StoreCoordinator):
-        return sorted(mine)
-    return _agree(coord, mine)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from checkpointing.errors import ManifestError
+from checkpointing.errors import CheckpointConfigError, ManifestError
 
 STEP_PREFIX = "step-"
 STEP_DIGITS = 10
@@ -21,6 +21,13 @@ MAX_STEP = 10**STEP_DIGITS - 1
 
 _STEP_DIR = re.compile(r"^step-(\d{10})$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+
+def check_step(step: object) -> int:
+    """A step number a caller passed (save(), step marks): an int in 0..MAX_STEP, else CheckpointConfigError."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{MAX_STEP}")
+    return step
 
 
 def step_dir(step: int) -> str:

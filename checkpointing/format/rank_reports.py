@@ -24,7 +24,8 @@ from typing import Any
 import xxhash
 
 from checkpointing.errors import ManifestError, MergeError
-from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest, ShardEntry, TensorEntry, canonical_json, check_tiling, decode_manifest, encode_manifest
+from checkpointing.format.decode import check_tiling, decode_manifest
+from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest, ShardEntry, TensorEntry, canonical_json, encode_manifest
 
 
 @dataclasses.dataclass(frozen=True)

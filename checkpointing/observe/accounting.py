@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+from torch.optim import Optimizer
+
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.observe.metrics import MetricsSink, SaveStats
 from checkpointing.plan.schedule import SaveSchedule
@@ -35,22 +37,20 @@ from checkpointing.observe.steptime import RunSummary, SaveCost, StepClock
 log = logging.getLogger("checkpointing")
 
 
-class SaveAccounting:
-    """Step-time accounting and the records of one manager. Thread-safe where the docstrings say so.
+Replace = Callable[[SaveStats, SaveStats], None]  # (old, new): a save's SaveStats gained its step fields
 
-    `replace` is called (on whichever thread finalizes) with (job, old, new) when a save's
-    SaveStats gains its step fields: the manager swaps it in `stats()` and on the handle.
-    """
+
+class SaveAccounting:
+    """Step-time accounting and the records of one manager. Thread-safe where the docstrings say so."""
 
     def __init__(self, metrics_path: os.PathLike | str, *, on_metrics: Callable[[dict[str, Any]], Any] | None,
-                 schedule: SaveSchedule | None, replace: Callable[[Any, SaveStats, SaveStats], None]) -> None:
+                 schedule: SaveSchedule | None) -> None:
         self.clock = StepClock()
         self.sink = MetricsSink(metrics_path, on_metrics)
         self.schedule = schedule
-        self._replace = replace
         self._t_created = time.perf_counter()
         self._lock = threading.Lock()
-        self._pending: dict[int, list[tuple[Any, SaveStats]]] = {}  # step -> durable saves awaiting their cost
+        self._pending: dict[int, list[tuple[SaveStats, Replace]]] = {}  # step -> durable saves awaiting their cost
         self._first_durable_s: float | None = None
         self._explicit = False  # mgr.step() was called: the optimizer hook marks nothing
         self._optimizer: weakref.ref | None = None
@@ -59,7 +59,7 @@ class SaveAccounting:
 
     # ------------------------------------------------------------------ step marks (training thread)
 
-    def optimizer_step(self, optimizer: Any) -> None:
+    def optimizer_step(self, optimizer: Optimizer) -> None:
         """From the optimizer step pre-hook: a boundary, for the first optimizer seen only."""
         if self._explicit:
             return
@@ -107,14 +107,16 @@ class SaveAccounting:
         if seconds > 0:
             self.clock.add_stall(step, seconds)
 
-    def durable(self, job: Any, stats: SaveStats) -> SaveStats:
+    def durable(self, stats: SaveStats, replace: Replace) -> SaveStats:
         """On a background thread, when a save's SaveStats is made; returns it (the run's first
-        successful save gains time_to_first_durable_s). Writes the record now if its cost is final."""
+        successful save gains time_to_first_durable_s). Once its cost is final (see settle), which
+        may be at the next step mark, `replace(old, new)` is called on whichever thread finalizes
+        it, with the SaveStats returned here and the one with the step fields."""
         with self._lock:
             if stats.ok and self._first_durable_s is None:
                 self._first_durable_s = time.perf_counter() - self._t_created
                 stats = dataclasses.replace(stats, time_to_first_durable_s=self._first_durable_s)
-            self._pending.setdefault(stats.step, []).append((job, stats))
+            self._pending.setdefault(stats.step, []).append((stats, replace))
         return stats
 
     def settle(self, step: int, ok: bool) -> None:
@@ -128,12 +130,12 @@ class SaveAccounting:
                 waiting = self._pending.get(cost.step)
                 if not waiting:
                     continue  # not recorded (a save that failed inside save(): raised there)
-                job, stats = waiting.pop(0)
+                stats, replace = waiting.pop(0)
                 if not waiting:
                     del self._pending[cost.step]
             full = self._with_cost(stats, cost)
             if full is not stats:
-                self._replace(job, stats, full)
+                replace(stats, full)
             self.sink.emit(full.as_dict(), now=now)
 
     def _with_cost(self, stats: SaveStats, cost: SaveCost) -> SaveStats:
@@ -170,7 +172,7 @@ class SaveAccounting:
         with self._lock:
             left = [item for items in self._pending.values() for item in items]
             self._pending.clear()
-        for _, stats in left:  # not durable (close() after a failed wait): write what is known
+        for stats, _ in left:  # not durable (close() after a failed wait): write what is known
             self.sink.emit(stats.as_dict(), now=True)
         self.sink.close()
         s = self.summary()

@@ -1,5 +1,6 @@
 """Per-save records: a frozen SaveStats, JSON lines beside the checkpoints, one log line, and the
-sink that writes them and hands them to the user's callback (orchestration).
+sink that writes them and hands them to the user's callback (observe: the save path, save/records.py,
+makes each SaveStats from its job).
 
 A save's record is complete once its step-time cost is final (steptime.py: after the steps that
 ran during its background work). Until then `mgr.stats()` and `handle.wait()` show it without the
@@ -14,7 +15,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from typing import Any, Callable, Iterator
 
 log = logging.getLogger("checkpointing")
@@ -100,33 +100,6 @@ class SaveStats:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SaveStats))
-
-
-def stats_of(job: Any, upload: Any, *, staging_bytes: int, rank: int, world_size: int) -> SaveStats:
-    """The SaveStats of a finished save (a writer.SaveJob) and, with a remote tier, its tiering.UploadJob."""
-    committed = job.error is None
-    ok = committed and (upload is None or upload.error is None)
-    error = job.error if job.error is not None else None if upload is None else upload.error
-    end = job.t_committed if committed else time.perf_counter()
-    write_s = max(0.0, job.t_written - job.t_staged) if committed else 0.0
-    remote: dict[str, Any] = {}
-    if upload is not None:
-        rate = upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0
-        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, upload_bytes_per_s=rate,
-                      bytes_upload_reused=upload.bytes_present)
-    return SaveStats(
-        step=job.step, ok=ok, error=None if error is None else f"{type(error).__name__}: {error}",
-        wait_prev_s=job.wait_prev_s, stall_s=job.stall_s, guard_wait_s=job.guard_wait_s,
-        snapshot_s=max(0.0, job.t_staged - job.t_call - job.wait_prev_s) if job.t_staged else 0.0,
-        write_s=write_s, commit_s=max(0.0, job.t_committed - job.t_written) if committed else 0.0,
-        total_s=end - job.t_call - job.wait_prev_s,
-        bytes_total=job.flat.nbytes, bytes_written=job.bytes_written if committed else 0,
-        bytes_reused=job.bytes_reused if committed else 0, chunks_total=job.chunks_total, chunks_reused=job.chunks_reused if committed else 0,
-        bytes_unwritten=job.bytes_unwritten if committed else 0,
-        write_bytes_per_s=job.bytes_written / write_s if committed and write_s > 0 else 0.0,
-        staging_bytes=staging_bytes, time=job.wall_time, rank=rank, world_size=world_size,
-        tier="local+remote" if ok and upload is not None else "local", **remote,
-    )
 
 
 def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ manifest names the place and digest of every chunk.
 
 A chunk is referenced, never copied from file to file: a reference always points at the file that
 holds the bytes, so there are no chains to follow and a restore reads only retained files. A file
-stays on disk while any retained step references any chunk of it (gc.py); so that a few live
+stays on disk while any retained step references any chunk of it (tier/collect.py); so that a few live
 chunks cannot keep a large file alive for ever, a save rewrites the chunks it would take from a
 file if they are less than `REWRITE_BELOW` of that file's bytes: what is kept of earlier saves is
 then at most about twice what the retained steps need.

@@ -1,4 +1,4 @@
-"""Export a committed step as one file of full (unsharded) tensors, for tools that do not read our format.
+"""Export a committed step as one file of full (unsharded) tensors, for tools that do not read our format (layer: restore).
 
 The file is written with torch.save and holds only tensors, strings and ints:
     {"step": N, "world_size": W, "tensors": {key: full tensor, ...}}

@@ -1,4 +1,4 @@
-"""Restore a committed manifest into the user's objects, in place (plan, then read, then apply).
+"""Restore a committed manifest into the user's objects, in place: plan, then read, then apply (layer: restore).
 
 1. Plan: walk the target state beside the manifest's tree (this rank's tree at the same world
    size; at another world size the ranks' trees merged, per-rank values refused by name). Collect
@@ -23,7 +23,7 @@ import torch
 from checkpointing.state.codecs import Codec
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
-from checkpointing.format.manifest import Manifest
+from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.state.sharding import dtensor_layout, is_dtensor
 from checkpointing.state.tree import is_stateful, join_key

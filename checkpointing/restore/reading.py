@@ -1,4 +1,4 @@
-"""Reading a step's verified bytes into target boxes (I/O).
+"""Reading a step's verified bytes into target boxes (layer: restore; I/O).
 
 Each target covers a box of its global tensor (a DTensor its local shard, a plain tensor all of
 it). Every saved shard overlapping the box is read from a copy this rank can reach (its local

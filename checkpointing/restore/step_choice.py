@@ -1,25 +1,38 @@
-"""Which step to restore, and where each rank reads it from (orchestration; collective with several ranks).
+"""Which step to restore, and where each rank reads it from (layer: restore; collective with several ranks).
 
 Candidates are the steps committed on the local tier or on the remote tier, newest first. A step is
 readable by a rank when every shard it needs is on its local tier (the step committed there, the
 shard's file on this rank's tier), or when the remote tier holds the step (it holds every primary
 copy): a replaced node with an empty local directory reads its part remotely, the others locally.
-With several ranks, the ranks then agree on the newest step every rank can read (coordinator.py).
+With several ranks, the ranks then agree on the newest step every rank can read (the coordinator's
+`agree_restore`, checkpointing/dist/types.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Mapping
 
-from checkpointing.tier import catalog
-from checkpointing.state.codecs import Codec
+from checkpointing.dist.types import Coordinator
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import RestorePlan, Sources, plan_restore
+from checkpointing.state.codecs import Codec
 from checkpointing.storage import LocalStorage, Storage
+from checkpointing.tier import catalog
 
 log = logging.getLogger("checkpointing")
+
+
+@dataclasses.dataclass
+class _Readable:
+    """What one rank found among the candidate steps: a plan per step it can read, why it cannot read
+    the others, and the error that stopped the search (None: it looked at every candidate it needed)."""
+
+    plans: dict[int, tuple[RestorePlan, Sources]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    error: BaseException | None = None
 
 
 def choose_step(
@@ -30,59 +43,74 @@ def choose_step(
     local: LocalStorage,
     remote: Storage | None,
     remote_steps: set[int],
-    coord: Any,
+    coord: Coordinator,
     codecs: tuple[Codec, ...],
 ) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
     """The step to restore (None: nothing committed) and, per readable step, its plan and sources."""
+    found = _readable_steps(state, step, strict, local=local, remote=remote, remote_steps=remote_steps, coord=coord, codecs=codecs)
+    plans, error = found.plans, found.error
+    if coord.world_size == 1:
+        if error is not None:
+            raise error
+        if step is not None and step not in plans:
+            raise CheckpointNotFoundError(f"step {step} cannot be restored: {'; '.join(found.notes)}")
+        return (max(plans) if plans else None), plans
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        chosen = coord.agree_restore(sorted(plans), "; ".join(found.notes) or "it can", step, error=failure)
+    except CheckpointError:
+        if error is not None:
+            raise error from None
+        raise
+    return chosen, plans
+
+
+def _readable_steps(
+    state: Mapping[str, Any],
+    step: int | None,
+    strict: bool,
+    *,
+    local: LocalStorage,
+    remote: Storage | None,
+    remote_steps: set[int],
+    coord: Coordinator,
+    codecs: tuple[Codec, ...],
+) -> _Readable:
+    """Plan the candidates, newest first (only `step` when given); with one rank and no `step`, stop at the first readable one."""
     rank, world_size = coord.rank, coord.world_size
     local_steps = set(catalog.list_steps(local).committed)
     committed = local_steps | remote_steps
     candidates = [step] if step is not None else sorted(committed, reverse=True)
-    plans: dict[int, tuple[RestorePlan, Sources]] = {}
     where = f"its local tier {local.url}" + (f" or the remote tier {remote.url}" if remote is not None else "")
-    notes = [] if committed else [f"{where} holds no committed step"]
-    error: BaseException | None = None
+    found = _Readable(notes=[] if committed else [f"{where} holds no committed step"])
     for s in candidates:
         if s not in committed:
-            notes.append(f"step {s} is not committed in {where}")
+            found.notes.append(f"step {s} is not committed in {where}")
             continue
         try:
             manifest = _load_manifest(local if s in local_steps else None, remote if s in remote_steps else None, s)
             plan = plan_restore(state, manifest, rank=rank, world_size=world_size, codecs=codecs, strict=strict)
         except CheckpointCorruptError as exc:
             if step is not None or world_size == 1:
-                error = exc
+                found.error = exc
                 break
-            notes.append(f"step {s}: {exc}")
+            found.notes.append(f"step {s}: {exc}")
             log.warning("checkpointing: rank %d cannot use step %d: %s", rank, s, exc)
             continue
         except (CheckpointError, TypeError) as exc:
-            error = exc
+            found.error = exc
             break
         remote_note = "no remote tier is configured" if remote is None else f"the remote tier {remote.url} does not hold step {s}"
         sources = Sources(manifest, local if s in local_steps else None, coord.tiers[rank],
                           remote=remote if s in remote_steps else None, where=f" (its local tier is {local.url}; {remote_note})")
         missing = plan.missing(sources)
         if missing:
-            notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {local.url} does not hold, e.g. {missing[0]}")
+            found.notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {local.url} does not hold, e.g. {missing[0]}")
             continue
-        plans[s] = (plan, sources)
+        found.plans[s] = (plan, sources)
         if world_size == 1 and step is None:
             break  # one rank: the newest readable step is the answer
-    if world_size == 1:
-        if error is not None:
-            raise error
-        if step is not None and step not in plans:
-            raise CheckpointNotFoundError(f"step {step} cannot be restored: {'; '.join(notes)}")
-        return (max(plans) if plans else None), plans
-    failure = None if error is None else f"{type(error).__name__}: {error}"
-    try:
-        chosen = coord.agree_restore(sorted(plans), "; ".join(notes) or "it can", step, error=failure)
-    except CheckpointError:
-        if error is not None:
-            raise error from None
-        raise
-    return chosen, plans
+    return found
 
 
 def _load_manifest(local: Storage | None, remote: Storage | None, step: int) -> Manifest:

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from checkpointing.save.writewatch import WriteWatch
-from checkpointing.state.views import tensor_view
 
 _libc = ctypes.CDLL(None)
 _memcmp = _libc.memcmp

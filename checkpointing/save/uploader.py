@@ -10,9 +10,10 @@ once the step is committed on the local tier; uploads then run one step at a tim
    local copy (os.pread of part-sized ranges): the staging pool is free for the next save already.
    A resumed upload skips objects that are already on the remote tier with their exact size
    (objects appear whole: a multipart upload is invisible until completed).
-2. Commit (tiercommit.py): rank 0 writes the manifest, then COMMIT with a conditional create.
-3. Tidy: rank 0 applies keep_remote on the remote tier; the manager applies keep_local (steps still
-   waiting for their upload are never deleted locally).
+2. Commit (dist/remote_commit.py): rank 0 writes the manifest, then COMMIT with a conditional create.
+3. Tidy: rank 0 applies keep_remote on the remote tier (tier/collect.apply_retention); then the
+   uploader's `on_finish` (save/worker.AfterUpload) records the save and applies keep_local (steps
+   still waiting for their upload, `PendingUploads`, are never deleted locally).
 
 Failures: a permanent error (or transient ones past the retry budget) fails this step's upload
 only: it is raised as CheckpointUploadError at the next save()/wait(), the local step stays
@@ -22,57 +23,50 @@ on the remote tier: without COMMIT it is an incomplete step (removed by retentio
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
+from checkpointing.save.serial import SerialThread
 from checkpointing.tier import catalog
 from checkpointing.tier import collect, pins
 from checkpointing.format import naming
-from checkpointing.dist.coordinator import LocalCoordinator
+from checkpointing.dist.types import Coordinator, TierCommitter
 from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format.manifest import Manifest, encode_manifest, manifest_digest
+from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
-from checkpointing.dist.remote_commit import LocalTierCommitter, StoreTierCommitter, TierCommitter, agree_resume
 
 log = logging.getLogger("checkpointing")
 
 
-@dataclasses.dataclass(eq=False)
-class UploadJob:
-    """One step on its way to the remote tier."""
+class PendingUploads:
+    """The steps whose upload is queued or running (thread-safe): the uploader adds and removes
+    them; retention on either tier never deletes them."""
 
-    step: int
-    save: Any = None  # the SaveJob it continues (None: an upload resumed at start-up)
-    manifest: Manifest | None = None
-    manifest_digest: str = ""  # the sha256 its COMMIT names ("" for a resumed upload)
-    seq: int = -1  # upload number, the same on every rank (set by Uploader.submit)
-    t_local: float = 0.0  # perf_counter when the step was committed locally
-    t_done: float = 0.0
-    transfer_s: float = 0.0  # this rank's own data transfer
-    bytes_uploaded: int = 0
-    bytes_present: int = 0  # already on the remote tier (earlier steps' files, or a resumed upload's)
-    pin: str | None = None  # this rank's pin on the remote tier while the upload runs (collect.py)
-    error: BaseException | None = None
-    error_reported: bool = False
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[UploadJob] = []
 
-    @property
-    def resumed(self) -> bool:
-        return self.save is None
+    def add(self, job: UploadJob) -> None:
+        with self._lock:
+            self._jobs.append(job)
 
-    @property
-    def upload_s(self) -> float:
-        return max(0.0, self.t_done - self.t_local)
+    def remove(self, job: UploadJob) -> None:
+        with self._lock:
+            self._jobs.remove(job)
+
+    def steps(self) -> set[int]:
+        with self._lock:
+            return {j.step for j in self._jobs}
 
 
 class Uploader:
-    """The upload thread and its queue; `on_finish(job)` runs on that thread after each job."""
+    """The upload thread and its queue; `on_finish(job)` runs on that thread after each job (once
+    it has left `pending`)."""
 
     def __init__(
         self,
@@ -83,28 +77,23 @@ class Uploader:
         rank: int,
         keep_remote: int | None,
         on_finish: Callable[[UploadJob], None],
+        pending: PendingUploads,
     ) -> None:
         self.local, self.remote, self.committer = local, remote, committer
         self.rank, self.keep_remote, self.on_finish = rank, keep_remote, on_finish
-        self._queue: queue.Queue[UploadJob | None] = queue.Queue()
+        self.pending = pending
         self._lock = threading.Lock()
-        self._pending: list[UploadJob] = []  # queued or running, in order
         self._seq = 0
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
         self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
-        self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
-        self._thread.start()
+        self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run)
 
     def submit(self, job: UploadJob) -> None:
         with self._lock:
             job.seq = self._seq
             self._seq += 1
-            self._pending.append(job)
-        self._queue.put(job)
-
-    def pending_steps(self) -> set[int]:
-        with self._lock:
-            return {j.step for j in self._pending}
+            self.pending.add(job)
+        self._thread.put(job)
 
     def remote_steps(self) -> set[int]:
         """Steps committed on the remote tier as this rank last saw them (no request: for save()'s checks)."""
@@ -118,16 +107,8 @@ class Uploader:
             self._remote_steps -= set(removed)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self._thread.close()
         self.committer.close()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._run(job)
 
     def _run(self, job: UploadJob) -> None:
         """Upload, commit, tidy; never raises (the error is kept on the job)."""
@@ -138,7 +119,7 @@ class Uploader:
                 self._upload_own(job)
             except BaseException as exc:  # noqa: BLE001 - reported through the committer, then kept
                 error = exc
-            self.committer.commit(job, error, job.transfer_s)
+            self.committer.commit(job.seq, job.manifest, error, job.transfer_s)
             self.saw_remote(added={job.step})
             digest = job.manifest_digest or manifest_digest(encode_manifest(job.manifest))  # resumed: not known yet
             self._base = (job.step, digest, frozenset(f.path for f in job.manifest.files))
@@ -148,8 +129,7 @@ class Uploader:
         job.t_done = time.perf_counter()
         if job.error is None and self.rank == 0:
             self._retain(job.step)
-        with self._lock:
-            self._pending.remove(job)
+        self.pending.remove(job)
         try:
             self.on_finish(job)
         finally:
@@ -203,21 +183,16 @@ class Uploader:
     def _retain(self, step: int) -> None:
         """Rank 0 after a remote commit: keep_remote, and what no remote step or upload in flight references."""
         try:
-            doomed: list[int] = []
-            if self.keep_remote is not None:
-                from checkpointing.plan.retention import steps_to_delete
-
-                doomed = steps_to_delete(catalog.list_steps(self.remote).committed, self.keep_remote, protect=step)
-            result = collect.collect(self.remote, retire=doomed, protect=self.pending_steps(), scan_committed=False)
-            self.saw_remote(removed=result.retired)
-            for p in result.problems:
-                log.warning("checkpointing: retention on the remote tier %s kept every data file: %s", self.remote.url, p)
+            retired = collect.apply_retention(self.remote, self.keep_remote, protect=step, in_flight=self.pending.steps(),
+                                              sweep=True, where=f"on the remote tier {self.remote.url}")
+            self.saw_remote(removed=retired)
         except Exception as exc:  # noqa: BLE001 - retried after the next upload; never stop the thread
             log.warning("checkpointing: retention on the remote tier after step %d failed: %s", step, exc)
 
 
 def start_uploader(
-    local: LocalStorage, remote: FsspecStorage, coord: Any, *, keep_remote: int | None, on_finish: Callable[[UploadJob], None]
+    local: LocalStorage, remote: FsspecStorage, coord: Coordinator, *, keep_remote: int | None,
+    on_finish: Callable[[UploadJob], None], pending: PendingUploads,
 ) -> tuple[Uploader, list[UploadJob]]:
     """Start the upload thread, and resume the uploads an earlier process did not finish (a collective call).
 
@@ -228,13 +203,10 @@ def start_uploader(
         listing = catalog.list_steps(remote)
     except (OSError, CheckpointError) as exc:
         raise CheckpointConfigError(f"cannot use the remote tier {remote.url}: {exc}") from None
-    committer: TierCommitter = (
-        LocalTierCommitter(local, remote) if isinstance(coord, LocalCoordinator) else StoreTierCommitter(coord, local, remote)
-    )
-    uploader = Uploader(local, remote, committer, rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish)
+    uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending)
     uploader.saw_remote(added=set(listing.committed))
     mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
-    agreed = agree_resume(coord, sorted(mine))
+    agreed = coord.agree_resume(sorted(mine))
     if coord.rank == 0:  # one job per prefix: a pin no upload of ours will remove is a crashed upload's
         try:
             collect.collect(remote, protect=set(agreed), pin_ttl_s=0, scan_committed=False)

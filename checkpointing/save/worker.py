@@ -1,154 +1,175 @@
-"""What runs on a manager's background threads: each save after save() returns (orchestration).
+"""What runs on the background threads after save() returns: each save, and what follows each upload (orchestration).
 
-A mixin of CheckpointManager, kept apart so that manager.py reads as the training thread's side.
-ckpt-io thread, per save: write this rank's part (writer.run_save), commit through the coordinator,
-local retention, then either hand the step to the uploader (with a remote tier) or record its
-stats. ckpt-upload thread (tiering.Uploader), after each upload: record the stats (metrics.jsonl,
-log line), local retention again (the step may now be pruned locally). Neither thread ever raises:
-errors are kept on the jobs and raised at the next save()/wait().
+`SaveWorker` is the ckpt-io thread. Per save: write this rank's part (writer.run_save), commit
+through the coordinator, remove the pin, local retention, then either hand the step to the
+uploader (with a remote tier) or record its stats (records.py). `AfterUpload` runs on the
+ckpt-upload thread (uploader.py) after each upload: record the stats (metrics.jsonl, log line),
+then local retention again (the step may now be pruned locally). `LocalRetention` is keep_local on
+this rank's local tier, for both. None of them ever raises: errors are kept on the jobs and raised
+at the next save()/wait().
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from typing import Any
+from typing import Callable
 
-from checkpointing.tier import catalog
-from checkpointing.tier import collect, pins
-from checkpointing.dist.coordinator import LocalCoordinator, StoreCoordinator
-from checkpointing.errors import CheckpointUploadError
-from checkpointing.observe.accounting import SaveAccounting
-from checkpointing.observe.metrics import SaveStats, log_save, stats_of
-from checkpointing.plan.reuse import ReuseBase, base_after_save
+from checkpointing.save.serial import SerialThread
+from checkpointing.dist.types import Coordinator
+from checkpointing.errors import CheckpointError
+from checkpointing.plan.reuse import ReuseBase, base_after_restore, base_after_save
+from checkpointing.save.job import SaveJob, UploadJob
+from checkpointing.save.records import SaveRecords
 from checkpointing.save.staging import StagingPool
+from checkpointing.save.uploader import PendingUploads, Uploader
+from checkpointing.save.writer import run_save
 from checkpointing.storage import LocalStorage
-from checkpointing.save.uploader import Uploader, UploadJob
-from checkpointing.save.writer import SaveJob, run_save
+from checkpointing.tier import catalog, collect, pins
 
 log = logging.getLogger("checkpointing")
 
 
-class BackgroundSaves:
-    """The background half of CheckpointManager; the attributes below are set by its constructor."""
+class LocalRetention:
+    """keep_local on this rank's local tier, applied by its leader only (`enabled`): never a step
+    whose upload is not finished (`pending`), nor the save in flight (`in_flight`). Runs on the
+    ckpt-io thread after a commit and on the ckpt-upload thread after an upload, one at a time."""
 
-    storage: LocalStorage
-    directory: Any
-    options: Any
-    rank: int
-    world_size: int
-    _coord: LocalCoordinator | StoreCoordinator
-    _pool: StagingPool
-    _queue: queue.Queue
-    _uploader: Uploader | None
-    _upload_of: dict[SaveJob, UploadJob]
-    _retention_lock: threading.Lock
-    _lock: threading.Lock
-    _stats: list[SaveStats]
-    _acct: SaveAccounting
-    _base: ReuseBase | None
-    _current: SaveJob | None
+    def __init__(self, storage: LocalStorage, keep: int | None, *, enabled: bool, in_flight: Callable[[], set[int]],
+                 pending: PendingUploads | None) -> None:
+        self._storage, self._keep, self._enabled = storage, keep, enabled
+        self._in_flight, self._pending = in_flight, pending
+        self._lock = threading.Lock()
 
-    def _remote_url(self) -> str:
-        raise NotImplementedError
+    def after_commit(self, newest: int) -> None:
+        """`newest` was just committed here."""
+        if self._enabled:
+            self._apply(newest)
 
-    def _io_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._run(job)
+    def after_upload(self) -> None:
+        """An upload finished: its step may go now (keep_local counts from the newest committed step)."""
+        if self._enabled:
+            newest = catalog.list_steps(self._storage).committed
+            if newest:
+                self._apply(newest[-1])
 
-    def _run(self, job: SaveJob) -> None:
-        """Write this rank's part, commit through the coordinator, retain, record. Never raises."""
-        coord = self._coord
+    def _apply(self, newest: int) -> None:
+        pending = self._pending.steps() if self._pending is not None else set()
+        in_flight = self._in_flight()
         try:
-            try:
-                if job.error is not None:
-                    raise job.error  # it failed inside save(): the other ranks must hear of it
-                part = run_save(job, self._pool, self.storage, write_block=self.options.write_block_bytes, rank=self.rank, exchange=coord)
-            except BaseException as exc:
-                job.release_waiters()
-                coord.fail(job, exc)
-                if self.world_size > 1:
-                    coord.finish(job)  # rank 0 still coordinates; every rank waits for the verdict
-                raise
-            try:
-                job.manifest = coord.commit(job, part)
-            except BaseException:
-                if catalog.committed_digest(self.storage, job.step) is None:  # e.g. a COMMIT linked, then an error: keep its data
-                    self.storage.delete(part.file)  # nothing will ever reference this pack
-                raise
-            job.t_committed = time.perf_counter()
-            if self.options.incremental and job.refs and not job.plan.ring:
-                self._base = base_after_save(job.plan, self._pool.allocations, job.manifest, job.manifest_digest,
-                                             job.digests, job.refs, job.keys)
-        except BaseException as exc:  # reported at the next save()/wait()
-            if not job.error_reported:
-                job.error = exc
-            elif exc is not job.error:
-                log.error("checkpointing: rank %d, step %d: %s", self.rank, job.step, exc)
-        pins.remove_pin(self.storage, job.pin)  # committed (the manifest protects its files now) or failed
-        job.release_waiters()
-        if job.error is None and coord.leader:
-            self._retain_local(job.step)
-        upload = self._upload_of.pop(job, None)
-        if job.error_reported:  # failed inside save(): raised there, nothing to record
-            job.done.set()
-        elif upload is not None and job.error is None:
-            upload.manifest, upload.manifest_digest, upload.t_local = job.manifest, job.manifest_digest, job.t_committed
-            assert self._uploader is not None
-            self._uploader.submit(upload)  # records the stats once the step is on the remote tier
-            job.done.set()  # the next save may start: the upload reads the local files, not the staging pool
-        else:
-            self._finish(job)
-        if upload is not None and not upload.done.is_set() and job.error is not None:
-            upload.done.set()  # nothing to upload: the save failed (its error is the save's)
-
-    def _retain_local(self, newest: int) -> None:
-        """keep_local on this local tier (its leader only); never a step whose upload is not finished."""
-        pending = self._uploader.pending_steps() if self._uploader is not None else set()
-        current = self._current
-        in_flight = {current.step} if current is not None and not current.done.is_set() else set()
-        try:
-            with self._retention_lock:
-                collect.apply_retention(self.storage, self.options.keep_local, protect={newest} | pending, in_flight=in_flight)
+            with self._lock:
+                collect.apply_retention(self._storage, self._keep, protect={newest} | pending, in_flight=in_flight)
         except Exception as exc:  # retention is retried after the next commit; never stop the thread
             log.warning("checkpointing: retention after step %d failed: %s", newest, exc)
 
-    def _finish(self, job: SaveJob, upload: UploadJob | None = None) -> None:
+
+class AfterUpload:
+    """The uploader's `on_finish`: the save's record (or a resumed upload's log line), then keep_local."""
+
+    def __init__(self, records: SaveRecords, retention: LocalRetention) -> None:
+        self._records, self._retention = records, retention
+
+    def __call__(self, upload: UploadJob) -> None:
+        self._records.upload_finished(upload)
+        self._retention.after_upload()
+
+
+class SaveWorker:
+    """The ckpt-io thread: runs the saves submitted to it, one at a time, in order.
+
+    `base` is the newest committed save's chunks for the next incremental save to take from: the
+    worker sets it after each commit (before the save's `done`), save() takes it for its job
+    (`take_base`), restore() replaces it (`use_restored`); both of those only while no save runs.
+    """
+
+    def __init__(self, storage: LocalStorage, pool: StagingPool, coord: Coordinator, *,
+                 write_block: int, incremental: bool, records: SaveRecords, retention: LocalRetention,
+                 uploader: Uploader | None) -> None:
+        self._storage, self._pool, self._coord = storage, pool, coord
+        self._write_block, self._incremental = write_block, incremental
+        self._records, self._retention, self._uploader = records, retention, uploader
+        self._base: ReuseBase | None = None
+        self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run)
+
+    def submit(self, job: SaveJob) -> None:
+        self._thread.put(job)
+
+    def take_base(self) -> ReuseBase | None:
+        """The base for the save being issued; none for the next one until this one commits."""
+        base, self._base = self._base, None
+        return base
+
+    def use_restored(self, step: int) -> None:
+        """restore() read `step`: the next save's base is that step on this rank's local tier; none when
+        that tier cannot serve it (not committed there, its manifest damaged). The save checks that
+        the step is still committed and its files still there before it takes any chunk from them."""
         try:
-            self._record(job, upload)
-        finally:
-            job.done.set()
+            manifest, digest = catalog.committed_manifest(self._storage, step)
+        except (CheckpointError, OSError) as exc:
+            log.debug("checkpointing: step %d cannot be the next save's base: %s", step, exc)
+            self._base = None
+            return
+        self._base = base_after_restore(manifest, digest, self._coord.rank, self._coord.tiers[self._coord.rank])
 
-    def _upload_finished(self, upload: UploadJob) -> None:
-        """On the upload thread, after each upload (before upload.done is set)."""
-        if upload.error is not None:
-            upload.error = CheckpointUploadError(upload.step, self._remote_url(), upload.error)
-        if upload.save is not None:
-            self._record(upload.save, upload)
-        elif upload.error is not None:
-            upload.error_reported = True  # a resumed upload: no save() of this process waits for it
-            log.error("checkpointing: %s", upload.error)
+    def close(self) -> None:
+        """Stop the thread once the saves submitted so far have run."""
+        self._thread.close()
+
+    def _run(self, job: SaveJob) -> None:
+        """Write this rank's part, commit through the coordinator, retain, record. Never raises."""
+        outcome = job.outcome
+        try:
+            self._write_and_commit(job)
+        except BaseException as exc:  # reported at the next save()/wait()
+            if not outcome.error_reported:
+                outcome.error = exc
+            elif exc is not outcome.error:
+                log.error("checkpointing: rank %d, step %d: %s", self._coord.rank, job.step, exc)
+        pins.remove_pin(self._storage, outcome.pin)  # committed (the manifest protects its files now) or failed
+        job.staging.release()
+        if outcome.error is None:
+            self._retention.after_commit(job.step)
+        self._hand_on(job)
+
+    def _write_and_commit(self, job: SaveJob) -> None:
+        coord = self._coord
+        try:
+            if job.outcome.error is not None:
+                raise job.outcome.error  # it failed inside save(): the other ranks must hear of it
+            part, written = run_save(job, self._pool, self._storage, write_block=self._write_block, rank=coord.rank, exchange=coord)
+            job.outcome.written = written
+        except BaseException as exc:
+            job.staging.release()
+            coord.fail(job.inputs.ref, exc)  # with several ranks: waits for rank 0's verdict, which names every failing rank
+            raise
+        try:
+            committed = coord.commit(job.inputs.ref, part)
+        except BaseException:
+            if catalog.committed_digest(self._storage, job.step) is None:  # e.g. a COMMIT linked, then an error: keep its data
+                self._storage.delete(part.file)  # nothing will ever reference this pack
+            raise
+        job.outcome.manifest, job.outcome.manifest_digest = committed.manifest, committed.digest
+        job.outcome.t_committed = time.perf_counter()
+        plan = job.inputs.plan
+        if self._incremental and written.refs and not plan.ring:
+            self._base = base_after_save(plan, self._pool.allocations, job.outcome.manifest, job.outcome.manifest_digest,
+                                         written.digests, written.refs, written.keys)
+
+    def _hand_on(self, job: SaveJob) -> None:
+        """Committed: to the uploader (which records it once uploaded), or recorded now; then `done`."""
+        outcome, upload = job.outcome, job.upload
+        if outcome.error_reported:  # failed inside save(): raised there, nothing to record
+            outcome.done.set()
+        elif upload is not None and outcome.error is None:
+            upload.manifest, upload.manifest_digest, upload.t_local = outcome.manifest, outcome.manifest_digest, outcome.t_committed
+            assert self._uploader is not None
+            self._uploader.submit(upload)  # records the stats once the step is on the remote tier
+            outcome.done.set()  # the next save may start: the upload reads the local files, not the staging pool
         else:
-            log.info("checkpointing: resumed upload of step %d finished (%.1f MB sent, %.1f MB were there already) -> %s",
-                     upload.step, upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote_url())
-        if self._coord.leader:
-            newest = catalog.list_steps(self.storage).committed
-            if newest:
-                self._retain_local(newest[-1])
-
-    def _record(self, job: SaveJob, upload: UploadJob | None = None) -> None:
-        """The save's SaveStats into stats() and the log; its record goes to metrics.jsonl and
-        on_metrics once its step cost is final (accounting.py), which may be right now."""
-        with job.lock:  # the guard may still be adding its wait
-            stats = stats_of(job, upload, staging_bytes=self._pool.capacity, rank=self.rank, world_size=self.world_size)
-        stats = self._acct.durable(job, stats)
-        with self._lock:
-            self._stats.append(stats)
-            job.stats = stats
-        log_save(stats, str(self.directory) if upload is None else f"{self.directory} and {self._remote_url()}")
-        self._acct.settle(job.step, stats.ok)
+            try:
+                self._records.record(job)
+            finally:
+                outcome.done.set()
+        if upload is not None and not upload.done.is_set() and outcome.error is not None:
+            upload.done.set()  # nothing to upload: the save failed (its error is the save's)

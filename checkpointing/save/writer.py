@@ -3,159 +3,122 @@
 Stage (copy into the pool; an incremental save skips chunks whose bytes did not change) -> digest
 each chunk -> pin the step (tier/pins.py) -> tell local-tier peers which replicated tensors this rank
 writes -> write the changed chunks in large aligned writes -> write what no peer wrote -> fsync ->
-report (a RankPart) for the coordinator to merge and commit. The training thread
-waits only for the chunks it must (eager ones inside save(), the rest at the guard before
-optimizer.step()).
+report (a RankPart) for the coordinator to merge and commit, with what the write produced (a
+WriteResult, save/job.py). The writer sets the job's staging progress and its pin; it never sets
+its outcome otherwise. The training thread waits only for the chunks it must (eager ones inside
+save(), the rest at the guard before optimizer.step()).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import threading
 import time
-from typing import Any, Protocol
 
+from checkpointing.dist.types import Exchange, Written
 from checkpointing.tier import pins
 from checkpointing.format import naming
 from checkpointing.plan.assign import OTHER, PRIMARY, TIER
 from checkpointing.format.dtypes import dtype_name
 from checkpointing.format.manifest import ChunkRef, chunk_digest
 from checkpointing.format.rank_reports import PartLeaf, RankPart, leaf_digest
-from checkpointing.plan.pack import PackPlan, write_spans
+from checkpointing.plan.pack import write_spans
 from checkpointing.plan.reuse import Match, PlaceKey, ReuseBase, choose_borrowed, shard_place
+from checkpointing.save.job import SaveInputs, SaveJob, Staging, WriteResult
 from checkpointing.save.staging import Copier, StagingPool
 from checkpointing.save.writewatch import written_pieces
-from checkpointing.storage import LocalStorage
-from checkpointing.state.tree import FlatState
+from checkpointing.storage import LocalStorage, StreamWriter
 
 
-@dataclasses.dataclass(eq=False)
-class SaveJob:
-    step: int
-    flat: FlatState
-    plan: PackPlan
-    regions: list[int]  # per leaf: assign.UNIQUE / PRIMARY / TIER / OTHER
-    t_call: float  # perf_counter when save() was entered
-    wall_time: float
-    wait_prev_s: float
-    start_event: Any = None  # CUDA: compute-stream event recorded in save()
-    token: str = dataclasses.field(default_factory=naming.new_token)
-    eager_staged: threading.Event = dataclasses.field(default_factory=threading.Event)
-    staged: threading.Event = dataclasses.field(default_factory=threading.Event)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    eager_event: Any = None  # CUDA: the eager copies' completion, for the compute stream to wait on
-    staged_event: Any = None  # CUDA: every copy's completion
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # guard accounting vs finish
-    stats: Any = None  # SaveStats once finished
-    error: BaseException | None = None
-    error_reported: bool = False
-    call_s: float = 0.0  # time inside save() after wait_prev
-    guard_wait_s: float = 0.0
-    t_staged: float = 0.0
-    t_written: float = 0.0
-    t_committed: float = 0.0
-    bytes_written: int = 0
-    seq: int = 0  # this save's number among the manager's saves: the same on every rank
-    exchanged: bool = False  # this rank told its peers what it writes
-    manifest: Any = None  # the committed Manifest
-    manifest_digest: str = ""  # the sha256 its COMMIT names (set by the coordinator that committed it)
-    base: ReuseBase | None = None  # the previous save's chunks this one may take instead of writing (incremental)
-    pin: str | None = None  # this rank's pin while the save is in flight (tier/pins.py)
-    digests: list[str] = dataclasses.field(default_factory=list)  # per placement, once written
-    refs: list[ChunkRef | None] = dataclasses.field(default_factory=list)  # per placement: where this save stores it
-    bytes_reused: int = 0  # taken from earlier steps instead of written
-    chunks_reused: int = 0
-    chunks_total: int = 0
-    keys: list[PlaceKey] = dataclasses.field(default_factory=list)  # per placement (reuse.ReuseBase.keys)
-    watch_writes: bool = False  # ask the kernel which pages were written since the last save (writewatch.py)
-    bytes_unwritten: int = 0  # not written since the previous save: neither compared nor copied
-
-    @property
-    def stall_s(self) -> float:
-        return self.call_s + self.guard_wait_s
-
-    def release_waiters(self) -> None:
-        self.eager_staged.set()
-        self.staged.set()
-
-
-class Exchange(Protocol):
-    """How a rank learns which replicated tensors its local-tier peers wrote (coordinator.py)."""
-
-    def share_written(self, job: SaveJob, written: list[tuple[str, tuple[int, ...] | None, str]]) -> None: ...
-
-    def peer_written(self, job: SaveJob) -> set[tuple[str, tuple[int, ...] | None, str]]: ...
-
-
-def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_block: int, rank: int, exchange: Exchange) -> RankPart:
-    """Stage and write this rank's part of `job`; returns its report. Removes the partial pack on failure.
+def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_block: int, rank: int,
+             exchange: Exchange) -> tuple[RankPart, WriteResult]:
+    """Stage and write this rank's part of `job`; returns its report and what the write produced.
+    Removes the partial pack on failure.
 
     Before the pack file exists the rank pins the step (tier/pins.py): a concurrent `gc` then leaves the
     step's directory and every file the save takes chunks from alone.
     """
-    plan = job.plan
-    pack_path = naming.pack_name(job.step, rank, job.token)
+    inputs = job.inputs
+    plan, base = inputs.plan, inputs.base
+    pack_path = naming.pack_name(inputs.step, rank, inputs.token)
     # on this thread, so a first (or grown) allocation overlaps the training step
-    pool.ensure(plan.pool_bytes, pinned=job.start_event is not None)  # save() records it for CUDA state
-    leaves = job.flat.leaves
-    job.keys = placement_keys(job)
-    match = job.base.against(plan, pool.allocations, job.keys) if job.base is not None else None
-    pack = _PackWriter(job, pool, write_block, match)
-    base = job.base
-    ring = plan.ring  # staging writes the pack as it goes
+    pool.ensure(plan.pool_bytes, pinned=inputs.start_event is not None)  # save() records it for CUDA state
+    keys = placement_keys(inputs)
+    match = base.against(plan, pool.allocations, keys) if base is not None else None
+    pack = _PackWriter(inputs, job.staging, pool, write_block, match)
     try:
-        if ring:
-            job.pin = pins.write_pin(storage, job.step, rank, job.token, [])
-            pack.open(storage.open_stream(pack_path))
-        pack.stage()
-        pack.digest_upto(plan.pack_bytes)
-        if not ring:
-            job.pin = pins.write_pin(storage, job.step, rank, job.token, sorted(base.files) if base else [])
-            if base is not None and not (pins.still_committed(storage, base.step, base.manifest_digest) and _present(storage, base)):
-                pack.borrowable = False  # the step was deleted meanwhile, or lost a file: its chunks may be gone
-            pack.open(storage.open_stream(pack_path))
+        _stage(job, pack, storage, pack_path, rank)
         by_leaf = pack.placements_by_leaf()
         digests = [leaf_digest(dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape), [pack.digests[i] for i in by_leaf[n]])
-                   for n, leaf in enumerate(leaves)]
-        idents = [(leaf.key, leaf.layout.offsets if leaf.layout else None, digests[i]) for i, leaf in enumerate(leaves)]
-        exchange.share_written(job, [idents[i] for i in range(len(leaves)) if job.regions[i] in (PRIMARY, TIER)])
-        if ring:
-            pack.write_upto(plan.pack_bytes, final=True)
-            stored = [True] * len(leaves)
-        else:
-            first = [job.regions[n] != OTHER or not by_leaf[n] for n in range(len(leaves))]
-            pack.write_chunks([i for n in range(len(leaves)) if first[n] for i in by_leaf[n]])
-            stored = list(first)
-            if not all(first):
-                peers = exchange.peer_written(job)
-                stored = [s or idents[n] not in peers for n, s in enumerate(first)]
-            pack.write_chunks([i for n in range(len(leaves)) if stored[n] and not first[n] for i in by_leaf[n]])
+                   for n, leaf in enumerate(inputs.flat.leaves)]
+        stored = _write(job, pack, exchange, by_leaf, digests)
         pack.close()
         if pack.file_bytes == 0:  # every chunk was taken from earlier steps (or a peer's): no file
             storage.delete(pack_path)
     except BaseException:
-        job.release_waiters()
+        job.staging.release()
         pack.abort()
         raise
-    job.bytes_written = pack.file_bytes
-    job.t_written = time.perf_counter()
-    job.digests, job.refs = pack.digests, [pack.ref(i, pack_path) for i in range(len(plan.placements))]
-    job.bytes_reused = sum(plan.placements[i].length for i in pack.borrowed)
-    job.bytes_unwritten = pack.bytes_unwritten
-    job.chunks_reused, job.chunks_total = len(pack.borrowed), len(plan.placements)
-    borrowed_files = tuple(sorted({job.refs[i].file for i in pack.borrowed}))  # type: ignore[union-attr]
+    t_written = time.perf_counter()
+    refs = [pack.ref(i, pack_path) for i in range(len(plan.placements))]
+    written = WriteResult(
+        t_written=t_written, bytes_written=pack.file_bytes, bytes_reused=sum(plan.placements[i].length for i in pack.borrowed),
+        bytes_unwritten=pack.bytes_unwritten, chunks_reused=len(pack.borrowed), chunks_total=len(plan.placements),
+        digests=pack.digests, refs=refs, keys=keys,
+    )
+    return _part(inputs, rank, pack_path, pack, refs, by_leaf, digests, stored), written
+
+
+def _stage(job: SaveJob, pack: _PackWriter, storage: LocalStorage, pack_path: str, rank: int) -> None:
+    """Pin the step, stage and digest every chunk, and open the pack file (a ring writes as it stages)."""
+    inputs, outcome = job.inputs, job.outcome
+    base = inputs.base
+    if inputs.plan.ring:
+        outcome.pin = pins.write_pin(storage, inputs.step, rank, inputs.token, [])
+        pack.open(storage.open_stream(pack_path))
+    pack.stage()
+    pack.digest_upto(inputs.plan.pack_bytes)
+    if not inputs.plan.ring:
+        outcome.pin = pins.write_pin(storage, inputs.step, rank, inputs.token, sorted(base.files) if base else [])
+        if base is not None and not (pins.still_committed(storage, base.step, base.manifest_digest) and _present(storage, base)):
+            pack.borrowable = False  # the step was deleted meanwhile, or lost a file: its chunks may be gone
+        pack.open(storage.open_stream(pack_path))
+
+
+def _write(job: SaveJob, pack: _PackWriter, exchange: Exchange, by_leaf: list[list[int]], digests: list[str]) -> list[bool]:
+    """Tell local-tier peers what this rank writes, write it, then what no peer wrote; per leaf: stored here."""
+    inputs = job.inputs
+    leaves, regions = inputs.flat.leaves, inputs.regions
+    idents = [Written(leaf.key, leaf.layout.offsets if leaf.layout else None, digests[i]) for i, leaf in enumerate(leaves)]
+    exchange.share_written(inputs.ref, [idents[i] for i in range(len(leaves)) if regions[i] in (PRIMARY, TIER)])
+    if inputs.plan.ring:
+        pack.write_upto(inputs.plan.pack_bytes, final=True)
+        return [True] * len(leaves)
+    first = [regions[n] != OTHER or not by_leaf[n] for n in range(len(leaves))]
+    pack.write_chunks([i for n in range(len(leaves)) if first[n] for i in by_leaf[n]])
+    stored = list(first)
+    if not all(first):
+        peers = exchange.peer_written(inputs.ref)
+        stored = [s or idents[n] not in peers for n, s in enumerate(first)]
+    pack.write_chunks([i for n in range(len(leaves)) if stored[n] and not first[n] for i in by_leaf[n]])
+    return stored
+
+
+def _part(inputs: SaveInputs, rank: int, pack_path: str, pack: _PackWriter, refs: list[ChunkRef | None],
+          by_leaf: list[list[int]], digests: list[str], stored: list[bool]) -> RankPart:
+    """This rank's report for the coordinator to merge."""
+    base = inputs.base
+    borrowed_files = tuple(sorted({refs[i].file for i in pack.borrowed}))  # type: ignore[union-attr]
     part_leaves = tuple(
         PartLeaf(
             leaf.key, dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape),
             leaf.layout.global_shape if leaf.layout else None, leaf.layout.offsets if leaf.layout else None,
-            digests[n], job.regions[n],
-            tuple((r.file, r.offset, r.length, r.digest) for r in (job.refs[i] for i in by_leaf[n]) if r is not None) if stored[n] else None,
+            digests[n], inputs.regions[n],
+            tuple((r.file, r.offset, r.length, r.digest) for r in (refs[i] for i in by_leaf[n]) if r is not None) if stored[n] else None,
         )
-        for n, leaf in enumerate(leaves)
+        for n, leaf in enumerate(inputs.flat.leaves)
     )
     borrowed = tuple(base.files[f] for f in borrowed_files) if base is not None else ()
-    return RankPart(rank, pack_path, pack.file_bytes, job.flat.tree, part_leaves, borrowed)
+    return RankPart(rank, pack_path, pack.file_bytes, inputs.flat.tree, part_leaves, borrowed)
 
 
 def _present(storage: LocalStorage, base: ReuseBase) -> bool:
@@ -166,13 +129,13 @@ def _present(storage: LocalStorage, base: ReuseBase) -> bool:
         return False
 
 
-def placement_keys(job: SaveJob) -> list[PlaceKey]:
+def placement_keys(inputs: SaveInputs) -> list[PlaceKey]:
     """Per placement: (tensor key, where its shard starts (reuse.shard_place), byte offset in the
     shard, length): a chunk's place whatever the plan, as a manifest also tells it
     (reuse.base_after_restore)."""
-    leaves = job.flat.leaves
+    leaves = inputs.flat.leaves
     shard = [shard_place(leaf.layout.offsets if leaf.layout else None) for leaf in leaves]
-    return [(leaves[p.leaf].key, shard[p.leaf], p.src_offset, p.length) for p in job.plan.placements]
+    return [(leaves[p.leaf].key, shard[p.leaf], p.src_offset, p.length) for p in inputs.plan.placements]
 
 
 class _PackWriter:
@@ -185,15 +148,16 @@ class _PackWriter:
     room: the pack is then the image itself, written front to back, with no reuse.
     """
 
-    def __init__(self, job: SaveJob, pool: StagingPool, write_block: int, base: Match | None) -> None:
-        self.job = job
-        self.plan = job.plan
+    def __init__(self, inputs: SaveInputs, staging: Staging, pool: StagingPool, write_block: int, base: Match | None) -> None:
+        self.inputs = inputs
+        self.staging = staging  # this object writes its events and t_staged
+        self.plan = inputs.plan
         self.pool = pool
         self.base = base
-        self.borrowable = base is not None and job.base is not None
-        self.stream: Any = None
+        self.borrowable = base is not None and inputs.base is not None
+        self.stream: StreamWriter | None = None
         self.write_block = write_block
-        self.copier = Copier(pool, [leaf.tensor for leaf in job.flat.leaves], job.start_event)
+        self.copier = Copier(pool, [leaf.tensor for leaf in inputs.flat.leaves], inputs.start_event)
         n = len(self.plan.placements)
         self.digests = [""] * n
         self.same = [False] * n  # the pool already held these bytes (the base's), so they were not copied
@@ -204,7 +168,7 @@ class _PackWriter:
         self.written = 0  # ring mode: pack bytes handed to the stream
         self.file_bytes = 0  # bytes in the pack file
 
-    def open(self, stream: Any) -> None:
+    def open(self, stream: StreamWriter) -> None:
         self.stream = stream
 
     def close(self) -> None:
@@ -215,15 +179,15 @@ class _PackWriter:
             self.stream.abort()
 
     def stage(self) -> None:
-        job, plan, ring = self.job, self.plan, self.plan.pool_bytes
+        staging, plan, ring = self.staging, self.plan, self.plan.pool_bytes
         compare = self.base is not None and self.base.exact
-        watched = job.watch_writes and not plan.ring
+        watched = self.inputs.watch_writes and not plan.ring
         eager = plan.eager_placements
         # the scan comes after the eager copies, so that save() does not wait for it (unless all is eager)
         scan_at = 0 if eager == len(plan.stage_order) else eager
         written: list[list[tuple[int, int]] | None] | None = None
         if eager == 0:
-            job.eager_staged.set()
+            staging.eager_staged.set()
         for n, i in enumerate(plan.stage_order):
             if watched and n == scan_at:
                 written = self._written(compare, {plan.placements[k].leaf for k in plan.stage_order[:n]})
@@ -239,13 +203,13 @@ class _PackWriter:
             if self.same[i] and pieces is not None:
                 self.bytes_unwritten += p.length - sum(length for _, length in pieces)
             if n + 1 == plan.eager_placements:
-                job.eager_event = self.copier.last_event()
-                job.eager_staged.set()
+                staging.eager_event = self.copier.last_event()
+                staging.eager_staged.set()
         if watched:
             self.pool.watch.completed()
-        job.staged_event = self.copier.last_event()
-        job.t_staged = time.perf_counter()
-        job.staged.set()
+        staging.staged_event = self.copier.last_event()
+        staging.t_staged = time.perf_counter()
+        staging.staged.set()
 
     def _written(self, compare: bool, staged: set[int]) -> list[list[tuple[int, int]] | None] | None:
         """Scan the sources for writes since the previous save (always, so that the next save can
@@ -299,8 +263,8 @@ class _PackWriter:
             wanted = [False] * len(placements)
             for i in chosen:
                 wanted[i] = True
-            assert self.job.base is not None
-            take = choose_borrowed(self.base.refs, self.job.base.files, self.same, wanted)
+            assert self.inputs.base is not None
+            take = choose_borrowed(self.base.refs, self.inputs.base.files, self.same, wanted)
             self.borrowed.extend(i for i in chosen if take[i])
             chosen = [i for i in chosen if not take[i]]
         chosen.sort(key=lambda i: placements[i].pack_offset)
@@ -333,7 +297,7 @@ class _PackWriter:
 
     def placements_by_leaf(self) -> list[list[int]]:
         """Each leaf's placement indices, in the leaf's byte order."""
-        out: list[list[int]] = [[] for _ in self.job.flat.leaves]
+        out: list[list[int]] = [[] for _ in self.inputs.flat.leaves]
         for i in sorted(range(len(self.plan.placements)), key=lambda i: (self.plan.placements[i].leaf, self.plan.placements[i].src_offset)):
             out[self.plan.placements[i].leaf].append(i)
         return out

@@ -24,7 +24,7 @@ import torch
 
 from checkpointing.state.codecs import Codec, find_codec
 from checkpointing.errors import ManifestError, StateError
-from checkpointing.format.manifest import check_tree
+from checkpointing.format.decode import check_tree
 from checkpointing.state.sharding import ShardLayout, dtensor_layout, is_dtensor, local_tensor
 
 NUMPY_KINDS = frozenset("biufc")

@@ -2,6 +2,11 @@
 
 Layer: I/O, below tier/. May import: checkpointing.errors, checkpointing.format (names on disk).
 Public here: the protocol and its backends (`__all__`), for users who plug in their own tier or test against one.
+
+The modules, bottom up: base.py (the protocol), redact.py (credentials out of messages), retry.py
+(error classification, RetryPolicy and the Retrying wrapper), local.py (LocalStorage), endpoint.py
+(a remote location; every request through the retry wrapper), transfers.py (part size, parallelism,
+pacing), upload.py (multipart uploads and streams), remote.py (FsspecStorage, composed of those).
 """
 
 from __future__ import annotations

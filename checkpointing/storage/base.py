@@ -1,15 +1,20 @@
-"""The storage protocol every tier implements.
+"""The storage protocol every tier implements (layer: storage).
 
 Why so small: the orchestration layer needs exactly these operations, and every backend (local
 disk, fsspec remote, fault-injecting wrappers) must implement them with the same semantics, checked
 by one contract test suite (tests/test_storage_contract.py).
 
-Paths are relative, '/'-separated, validated by `layout.check_relpath` before they reach a backend.
+Paths are relative, '/'-separated, validated by `format.naming.check_relpath` before they reach a backend.
 Call order for a save: `open_stream` (pack data) -> `put` (manifest) -> `put(exclusive=True)`
 (commit marker). A backend must make every completed `put`/`StreamWriter.close` durable before it
 returns, and must never expose a partially written object under its final name.
+Call order for a resumed upload: `exists_with_size` (is the object there whole already?) before
+sending it again; for garbage collection: `list`, then `mtime` of what is listed (leave young files
+to a writer that may not have pinned them), then `delete`/`remove_dir`.
 Errors: missing objects raise FileNotFoundError; an exclusive put of an existing object raises
 FileExistsError; everything else raises OSError. Callers translate those into CheckpointError once.
+Retries of transient errors are not the caller's job: a remote backend runs every request under
+its retry wrapper (retry.Retrying), so what comes out of a Storage method is final.
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ class Storage(Protocol):
 
     def size(self, path: str) -> int: ...
 
+    def mtime(self, path: str) -> float:
+        """Seconds since the epoch of the object's last change, as the store records it (object stores:
+        to the second); 0.0 where the backend keeps no time. Missing: FileNotFoundError. Used to leave
+        young files alone (gc's min_age_s, a pin's age) and to show when a step was committed."""
+        ...
+
+    def exists_with_size(self, path: str, nbytes: int) -> bool:
+        """Whether the object `path` exists with exactly `nbytes`: an object a completed upload left
+        (objects appear whole). False if it is missing or has another size; other errors raise.
+        Backends without a cheaper way answer with the module's `exists_with_size(storage, ...)`."""
+        ...
+
     def list(self, prefix: str = "") -> list[str]: ...
 
     def delete(self, path: str) -> None: ...
@@ -58,3 +75,11 @@ class Storage(Protocol):
         """Remove `path` if it is an empty directory (a plain object of that name goes too); leave a
         directory with anything in it. A no-op where there are no directories (object stores)."""
         ...
+
+
+def exists_with_size(storage: Storage, path: str, nbytes: int) -> bool:
+    """Storage.exists_with_size from `size`: the one implementation the backends here share."""
+    try:
+        return storage.size(path) == nbytes
+    except FileNotFoundError:
+        return False

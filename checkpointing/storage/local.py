@@ -1,4 +1,7 @@
-"""Local filesystem tier: O_DIRECT streams where supported, atomic durable puts, fsync everywhere."""
+"""Local filesystem tier: O_DIRECT streams where supported, atomic durable puts, fsync everywhere.
+
+Layer: storage (I/O). The Storage protocol (base.py) on a directory of node-local storage.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from checkpointing.format.naming import new_token
+from checkpointing.storage import base
 
 DIRECT_ALIGN = 4096
 
@@ -55,7 +59,7 @@ class LocalStorage:
 
     def _create(self, target: Path, flags: int) -> int:
         """Open a new file, creating its directory; a collector may remove an empty step directory
-        between the mkdir and the open (gc.py), so both are retried."""
+        between the mkdir and the open (tier/collect.py), so both are retried."""
         for attempt in range(8):
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -121,9 +125,11 @@ class LocalStorage:
             return self._abs(path).stat().st_size
 
     def mtime(self, path: str) -> float:
-        """Seconds since the epoch of the last change (not part of the protocol: gc's age filter)."""
         with self._missing(path):
             return self._abs(path).stat().st_mtime
+
+    def exists_with_size(self, path: str, nbytes: int) -> bool:
+        return base.exists_with_size(self, path, nbytes)
 
     def list(self, prefix: str = "") -> list[str]:
         try:
@@ -143,7 +149,6 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError):
             return
         self._sync_dir(target.parent)
-
 
     def remove_dir(self, path: str) -> None:
         target = self._abs(path)

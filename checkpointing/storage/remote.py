@@ -1,5 +1,9 @@
 """Remote tier: any fsspec filesystem behind the Storage protocol (s3:// natively; memory://, file://, others generically).
 
+Layer: storage (I/O). FsspecStorage is composed of an Endpoint (the filesystem and every request,
+under the retry wrapper: endpoint.py, retry.py) and Transfers (part size, parallelism, pacing:
+upload.py); this module holds only how each backend keeps the Storage protocol's promises.
+
 Atomicity, per backend: nothing partial is ever visible under a final name.
 - s3: an object appears whole when its PutObject or CompleteMultipartUpload succeeds. Streams and
   `upload_file` upload parts in parallel as one multipart upload, completed on close() after the
@@ -15,36 +19,30 @@ Atomicity, per backend: nothing partial is ever visible under a final name.
   to the final name, which fails if it exists; elsewhere it is check-then-write and
   `supports_conditional_create` is False (not safe against a concurrent writer).
 
-Every request runs under a RetryPolicy and errors are translated once (retry.translate). The SDK's own
-retries are switched off (s3fs retries=1, botocore total_max_attempts=1) so one policy decides.
-Each FsspecStorage builds its own filesystem instance (skip_instance_cache): no state shared with
-other fsspec users. Credentials never appear in `url`, repr or any message.
+Every request runs under a RetryPolicy and errors are translated once (retry.Retrying). Each
+FsspecStorage builds its own filesystem instance. Credentials never appear in `url`, repr or any message.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Callable, Mapping, TypeVar
+from concurrent.futures import wait
+from typing import Any, Mapping
 
-import fsspec
 from fsspec.core import split_protocol
 
 from checkpointing.errors import CheckpointConfigError
-from checkpointing.format.naming import new_token
-from checkpointing.storage.retry import RetryPolicy, redact, redact_url, retry_call, secret_values, translate
-from checkpointing.storage.upload import S3_MIN_PART, S3Stream, TempStream, Throttle, upload_file
-
-log = logging.getLogger("checkpointing")
-T = TypeVar("T")
+from checkpointing.storage import base
+from checkpointing.storage.endpoint import S3_PROTOCOLS, open_endpoint
+from checkpointing.storage.redact import redact_url
+from checkpointing.storage.retry import RetryPolicy
+from checkpointing.storage.transfers import Transfers
+from checkpointing.storage.upload import S3Stream, TempStream, open_stream, put_object, upload_file
 
 MiB = 1 << 20
 S3_MAX_PUT = 5 << 30  # the largest single PutObject
-_S3 = ("s3", "s3a")
-_LOCAL = ("file", "local")
-_MEMORY = ("memory",)
 _MEMORY_LOCK = threading.Lock()  # exclusive create on memory://: the store is this process's
 
 
@@ -53,7 +51,8 @@ class FsspecStorage:
 
     `storage_options` go to the fsspec filesystem (s3: endpoint_url, key, secret, token,
     client_kwargs, config_kwargs...). Uploads run `max_concurrency` parts of `part_bytes` at a time,
-    paced to `max_bytes_per_s` if set. Call close() to stop the upload threads.
+    paced to `max_bytes_per_s` if set. `retry`: the policy for transient errors (settable later).
+    Call close() to stop the upload threads.
     """
 
     def __init__(
@@ -70,221 +69,174 @@ class FsspecStorage:
         self.url = redact_url(url.rstrip("/") if not url.endswith("://") else url)
         if not protocol:
             raise CheckpointConfigError(f"{self.url!r} is not a URL: use LocalStorage for a directory, or file://")
-        self.protocol = protocol
-        self.is_s3 = protocol in _S3
-        _check_sizes(self.url, max_concurrency, part_bytes, max_bytes_per_s, self.is_s3)
-        self.max_concurrency, self.part_bytes, self.retry = max_concurrency, part_bytes, retry
-        self._secrets = secret_values(storage_options, url)
-        try:
-            cls = fsspec.get_filesystem_class(protocol)
-        except (ValueError, ImportError) as exc:
-            raise CheckpointConfigError(
-                f"no filesystem for {protocol}:// ({exc}); install its fsspec package (s3fs for s3://)"
-            ) from None
-        options = _default_options(protocol, max_concurrency, storage_options or {})
-        options.update({k: v for k, v in cls._get_kwargs_from_urls(url).items() if k not in options})
-        try:
-            self.fs = cls(skip_instance_cache=True, **options)
-        except Exception as exc:  # noqa: BLE001 - report it as a configuration problem, without secrets
-            raise CheckpointConfigError(
-                f"cannot open {self.url}: {redact(f'{type(exc).__name__}: {exc}', self._secrets)}; check storage_options"
-            ) from None
-        self.root = cls._strip_protocol(url).rstrip("/")
-        if self.is_s3:
-            self.fs.retries = 1  # our RetryPolicy is the only retry loop
-            self._bucket, _, self._prefix = self.root.partition("/")
-            if not self._bucket:
-                raise CheckpointConfigError(f"{self.url!r} names no bucket: use s3://bucket/prefix")
-        self.supports_conditional_create = protocol in _S3 + _LOCAL + _MEMORY
-        self._pace = Throttle(max_bytes_per_s) if max_bytes_per_s else _no_pace
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        self.transfers = Transfers(self.url, is_s3=protocol in S3_PROTOCOLS, part_bytes=part_bytes,
+                                   max_concurrency=max_concurrency, max_bytes_per_s=max_bytes_per_s)
+        self.endpoint = open_endpoint(url, protocol, self.url, storage_options, retry=retry, max_concurrency=max_concurrency)
+        self.protocol, self.is_s3, self.root = protocol, self.endpoint.is_s3, self.endpoint.root
+        self.supports_conditional_create = self.is_s3 or self.endpoint.is_local or self.endpoint.is_memory
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
 
-    # ------------------------------------------------------------ plumbing (also used by .upload)
+    @property
+    def retry(self) -> RetryPolicy:
+        """The policy of the retry wrapper; setting it applies to every later request."""
+        return self.endpoint.retrying.policy
 
-    def _full(self, path: str) -> str:
-        return f"{self.root}/{path}" if path else self.root
+    @retry.setter
+    def retry(self, policy: RetryPolicy) -> None:
+        self.endpoint.retrying = dataclasses.replace(self.endpoint.retrying, policy=policy)
 
-    def _where(self, path: str) -> str:
-        return f"{self.url}/{path}" if path else self.url
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem every request goes to."""
+        return self.endpoint.fs
 
-    def _key(self, path: str) -> str:
-        return "/".join(p for p in (self._prefix, path) if p)
+    @property
+    def part_bytes(self) -> int:
+        return self.transfers.part_bytes
 
-    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
-        return retry_call(fn, self.retry, what=what, where=self._where(path), secrets=self._secrets)
-
-    def _s3(self, method: str, **kwargs: Any) -> Any:
-        return self.fs.call_s3(method, Bucket=self._bucket, **kwargs)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="ckpt-upload")
-            return self._pool
+    @property
+    def max_concurrency(self) -> int:
+        return self.transfers.max_concurrency
 
     def close(self) -> None:
         """Stop the upload threads (after the uploads they run). The storage stays usable."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-    def _fsync_file(self, f: Any) -> None:
-        """file://: make a written temporary durable before it is renamed into place."""
-        if self.protocol in _LOCAL:
-            f.flush()
-            os.fsync(f.fileno())
-
-    def _sync_parent(self, full: str) -> None:
-        """file://: fsync the directory holding `full`, so a rename or link survives a power cut."""
-        if self.protocol in _LOCAL:
-            fd = os.open(os.path.dirname(full) or "/", os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def _write_temp(self, path: str, body: bytes) -> str:
-        """Write `body` to a fresh temporary beside `path` (fsynced on file://); returns its full path."""
-        tmp = f"{self._full(path)}.tmp-{new_token()}"
-
-        def write() -> None:
-            with self.fs.open(tmp, "wb") as f:
-                f.write(body)
-                self._fsync_file(f)
-
-        try:
-            self._call("write", path, write)
-        except BaseException:
-            self._discard(tmp)
-            raise
-        return tmp
-
-    def _discard(self, full: str) -> None:
-        try:
-            self.fs.rm(full)
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except Exception as exc:  # noqa: BLE001 - cleanup of a temporary must not hide the real error
-            log.warning("checkpointing: could not remove temporary %s: %s", self._where(full[len(self.root) + 1 :]),
-                        redact(str(exc), self._secrets))
+        self.transfers.close()
 
     # ------------------------------------------------------------ Storage protocol
 
     def makedirs(self, path: str) -> None:
         """Directories exist only on file://; object stores create prefixes with their first object."""
-        if self.protocol in _LOCAL:
-            self._call("mkdir", path, lambda: self.fs.makedirs(self._full(path), exist_ok=True))
+        ep = self.endpoint
+        if ep.is_local:
+            ep.request("mkdir", path, lambda: ep.fs.makedirs(ep.full(path), exist_ok=True))
 
     def open_stream(self, path: str) -> S3Stream | TempStream:
-        if self.is_s3:
-            return S3Stream(self, path)
-        return TempStream(self, path)
+        return open_stream(self.endpoint, self.transfers, path)
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
         # durable=False changes nothing here: an object store's put is durable, file:// keeps its fsyncs
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         if self.is_s3:
-            if exclusive:
-                self._s3_create(path, body)
-            elif len(body) > self.part_bytes:
-                stream = S3Stream(self, path)
-                try:
-                    stream.write(memoryview(body))
-                    stream.close()
-                except BaseException:
-                    stream.abort()
-                    raise
-            else:
-                self._pace(len(body))
-                self._call("put", path, lambda: self._s3("put_object", Key=self._key(path), Body=body))
+            self._put_s3(path, body, exclusive)
             return
-        self._pace(len(body))
-        full = self._full(path)
-        if self.protocol in _MEMORY:
-            if exclusive:
-                self._call("create", path, lambda: _memory_create(self.fs, full, body))
-            else:
-                self._call("put", path, lambda: self.fs.pipe_file(full, body))
-            return
-        if exclusive and self.protocol not in _LOCAL and self.fs.exists(full):
-            raise FileExistsError(f"{self._where(path)} already exists (check-then-write: no conditional create here)")
-        tmp = self._write_temp(path, body)
-        try:
-            if exclusive and self.protocol in _LOCAL:
-                self._call("create", path, lambda: self.fs.link(tmp, full))  # EEXIST: never replaces an object
-                self._discard(tmp)
-            else:
-                self._call("rename", path, lambda: self.fs.mv(tmp, full))
-        except BaseException:
-            self._discard(tmp)
-            raise
-        self._sync_parent(full)
+        self.transfers.pace(len(body))
+        if self.endpoint.is_memory:
+            self._put_memory(path, body, exclusive)
+        else:
+            self._put_renamed(path, body, exclusive)
 
-    def _s3_create(self, path: str, body: bytes) -> None:
+    def _put_s3(self, path: str, body: bytes | bytearray, exclusive: bool) -> None:
+        """One PutObject (If-None-Match: * when exclusive), or a multipart upload above one part."""
+        if exclusive:
+            self._s3_create(path, body)
+        elif len(body) > self.part_bytes:
+            stream = S3Stream(self.endpoint, self.transfers, path)
+            try:
+                stream.write(memoryview(body))
+                stream.close()
+            except BaseException:
+                stream.abort()
+                raise
+        else:
+            put_object(self.endpoint, self.transfers, path, body)
+
+    def _put_memory(self, path: str, body: bytes | bytearray, exclusive: bool) -> None:
+        """memory://: one step, under the process-wide lock when exclusive."""
+        ep = self.endpoint
+        full = ep.full(path)
+        if exclusive:
+            ep.request("create", path, lambda: _memory_create(ep.fs, full, body))
+        else:
+            ep.request("put", path, lambda: ep.fs.pipe_file(full, body))
+
+    def _put_renamed(self, path: str, body: bytes | bytearray, exclusive: bool) -> None:
+        """file:// and others: a temporary renamed (exclusive on file://: hard-linked) over the final name."""
+        ep = self.endpoint
+        full = ep.full(path)
+        if exclusive and not ep.is_local and ep.fs.exists(full):
+            raise FileExistsError(f"{ep.where(path)} already exists (check-then-write: no conditional create here)")
+        tmp = ep.write_temp(path, body)
+        try:
+            if exclusive and ep.is_local:
+                ep.request("create", path, lambda: ep.fs.link(tmp, full))  # EEXIST: never replaces an object
+                ep.discard(tmp)
+            else:
+                ep.request("rename", path, lambda: ep.fs.mv(tmp, full))
+        except BaseException:
+            ep.discard(tmp)
+            raise
+        ep.sync_parent(full)
+
+    def _s3_create(self, path: str, body: bytes | bytearray) -> None:
+        ep = self.endpoint
         if len(body) > S3_MAX_PUT:
-            raise CheckpointConfigError(f"exclusive put of {len(body)} bytes to {self._where(path)}: at most 5 GiB")
+            raise CheckpointConfigError(f"exclusive put of {len(body)} bytes to {ep.where(path)}: at most 5 GiB")
         attempts = 0
 
         def create() -> Any:
             nonlocal attempts
             attempts += 1
-            return self._s3("put_object", Key=self._key(path), Body=body, IfNoneMatch="*")
+            return ep.s3_once("put_object", Key=ep.key(path), Body=body, IfNoneMatch="*")
 
-        self._pace(len(body))
+        self.transfers.pace(len(body))
         try:
-            self._call("create", path, create)
+            ep.request("create", path, create)
         except FileExistsError:
             if attempts > 1 and self.get(path) == body:
                 return  # an earlier attempt of ours created it; only its response was lost
             raise
 
     def get(self, path: str) -> bytes:
+        ep = self.endpoint
         kwargs = {"max_concurrency": 1} if self.is_s3 else {}  # s3fs: one GET, no HEAD first
-        return bytes(self._call("read", path, lambda: self.fs.cat_file(self._full(path), **kwargs)))
+        return bytes(ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), **kwargs)))
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Read len(buf) bytes at `offset`; a range larger than part_bytes is fetched as parallel ranged GETs."""
         view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
-        n = len(view)
+        n, part = len(view), self.part_bytes
         if n == 0:
             self.size(path)  # a missing object is an error even for an empty read
             return
-        if n <= self.part_bytes or self.max_concurrency == 1:
+        if n <= part or self.max_concurrency == 1:
             self._read_range(path, offset, view)
             return
-        pool = self._executor()
-        futures = [pool.submit(self._read_range, path, offset + o, view[o : o + self.part_bytes]) for o in range(0, n, self.part_bytes)]
+        pool = self.transfers.executor()
+        futures = [pool.submit(self._read_range, path, offset + o, view[o : o + part]) for o in range(0, n, part)]
         wait(futures)  # every range lands (or fails) before the buffer is handed back
         for fut in futures:
             fut.result()
 
     def _read_range(self, path: str, offset: int, view: memoryview) -> None:
+        ep = self.endpoint
         n = len(view)
-        data = self._call("read", path, lambda: self.fs.cat_file(self._full(path), start=offset, end=offset + n))
+        data = ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), start=offset, end=offset + n))
         if len(data) < n:
-            raise EOFError(f"{self._where(path)} ends at byte {offset + len(data)}, {n - len(data)} bytes short")
+            raise EOFError(f"{ep.where(path)} ends at byte {offset + len(data)}, {n - len(data)} bytes short")
         view[:] = data[:n]
 
-    def size(self, path: str) -> int:
+    def _stat(self, path: str) -> dict[str, Any]:
+        """What the store says about the object `path` (s3: HeadObject; elsewhere fsspec's info)."""
+        ep = self.endpoint
         if self.is_s3:
-            head = self._call("stat", path, lambda: self._s3("head_object", Key=self._key(path)))
-            return int(head["ContentLength"])
-        info = self._call("stat", path, lambda: self.fs.info(self._full(path)))
+            return ep.s3("stat", path, "head_object", Key=ep.key(path))
+        return ep.request("stat", path, lambda: ep.fs.info(ep.full(path)))
+
+    def size(self, path: str) -> int:
+        info = self._stat(path)
+        if self.is_s3:
+            return int(info["ContentLength"])
         if info.get("type") != "file":
-            raise FileNotFoundError(f"{self._where(path)}: no such object (a directory)")
+            raise FileNotFoundError(f"{self.endpoint.where(path)}: no such object (a directory)")
         return int(info["size"])
 
     def mtime(self, path: str) -> float:
-        """Seconds since the epoch of the object's last change (not part of the protocol: gc's age filter)."""
+        """Seconds since the epoch of the object's last change (0.0 where the filesystem keeps no time)."""
+        info = self._stat(path)
         if self.is_s3:
-            head = self._call("stat", path, lambda: self._s3("head_object", Key=self._key(path)))
-            return head["LastModified"].timestamp()
-        info = self._call("stat", path, lambda: self.fs.info(self._full(path)))
+            return info["LastModified"].timestamp()
         for key in ("mtime", "LastModified", "created"):
             value = info.get(key)
             if hasattr(value, "timestamp"):
@@ -294,18 +246,15 @@ class FsspecStorage:
         return 0.0
 
     def exists_with_size(self, path: str, nbytes: int) -> bool:
-        """Whether `path` exists with exactly `nbytes` (an upload that completed: objects appear whole)."""
-        try:
-            return self.size(path) == nbytes
-        except FileNotFoundError:
-            return False
+        return base.exists_with_size(self, path, nbytes)
 
     def list(self, prefix: str = "") -> list[str]:
         if self.is_s3:
             return sorted(self._s3_names(prefix, delimiter=True))
-        full = self._full(prefix)
+        ep = self.endpoint
+        full = ep.full(prefix)
         try:
-            entries = self._call("list", prefix, lambda: self.fs.ls(full, detail=True))
+            entries = ep.request("list", prefix, lambda: ep.fs.ls(full, detail=True))
         except FileNotFoundError:
             return []
         names = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["name"].rstrip("/") != full}
@@ -313,14 +262,14 @@ class FsspecStorage:
 
     def _s3_names(self, prefix: str, *, delimiter: bool) -> set[str]:
         """Names below `prefix`: immediate children (delimiter) or every key, relative to `prefix/`."""
-        base = self._key(prefix)
-        base = f"{base}/" if base else ""
-        query: dict[str, Any] = {"Prefix": base, **({"Delimiter": "/"} if delimiter else {})}
+        under = self.endpoint.key(prefix)
+        under = f"{under}/" if under else ""
+        query: dict[str, Any] = {"Prefix": under, **({"Delimiter": "/"} if delimiter else {})}
         names: set[str] = set()
         while True:
-            page = self._call("list", prefix, lambda: self._s3("list_objects_v2", **query))
-            names.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
-            names.update(o["Key"][len(base) :] for o in page.get("Contents", []))
+            page = self.endpoint.s3("list", prefix, "list_objects_v2", **query)
+            names.update(p["Prefix"][len(under) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+            names.update(o["Key"][len(under) :] for o in page.get("Contents", []))
             if not page.get("IsTruncated"):
                 break
             query["ContinuationToken"] = page["NextContinuationToken"]
@@ -328,47 +277,48 @@ class FsspecStorage:
         return names
 
     def delete(self, path: str) -> None:
+        ep = self.endpoint
         if self.is_s3:
-            key = self._key(path)
+            key = ep.key(path)
             keys = [f"{key}/{n}" if key else n for n in sorted(self._s3_names(path, delimiter=False))]
             keys += [key] if key else []
             for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
                 batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
-                out = self._call("delete", path, lambda: self._s3("delete_objects", Delete=batch))
+                out = ep.s3("delete", path, "delete_objects", Delete=batch)
                 if out.get("Errors"):
                     err = out["Errors"][0]
-                    raise translate(_ServiceError(err.get("Code"), err.get("Message")), what="delete", where=self._where(path),
-                                    secrets=self._secrets)
+                    raise ep.translate(_ServiceError(err.get("Code"), err.get("Message")), "delete", path)
             return
-        full = self._full(path)
+        full = ep.full(path)
         try:
-            self._call("delete", path, lambda: self.fs.rm(full, recursive=True))
+            ep.request("delete", path, lambda: ep.fs.rm(full, recursive=True))
         except FileNotFoundError:
             return
-        self._sync_parent(full)
+        ep.sync_parent(full)
 
     def remove_dir(self, path: str) -> None:
+        ep = self.endpoint
         if self.is_s3:  # no directories: only a stray object of exactly that name
             if path and not self._s3_names(path, delimiter=False):
                 try:
-                    self._call("delete", path, lambda: self._s3("delete_object", Key=self._key(path)))
+                    ep.s3("delete", path, "delete_object", Key=ep.key(path))
                 except FileNotFoundError:
                     pass
             return
-        full = self._full(path)
+        full = ep.full(path)
         try:
-            info = self.fs.info(full)
+            info = ep.fs.info(full)
         except (FileNotFoundError, OSError):
             return
         try:
             if info.get("type") == "directory":
-                if not self.fs.ls(full):
-                    self.fs.rmdir(full)
+                if not ep.fs.ls(full):
+                    ep.fs.rmdir(full)
             else:
-                self.fs.rm(full)
+                ep.fs.rm(full)
         except OSError:  # not empty (any more), or gone
             return
-        self._sync_parent(full)
+        ep.sync_parent(full)
 
     # ------------------------------------------------------------ whole local files (the upload pipeline)
 
@@ -379,11 +329,7 @@ class FsspecStorage:
         with os.pread when their turn comes (memory: about max_concurrency * part_bytes), each part
         retried on its own. Elsewhere: streamed through open_stream.
         """
-        upload_file(self, local_path, dest, length)
-
-
-def _no_pace(nbytes: int) -> None:
-    return None
+        upload_file(self.endpoint, self.transfers, local_path, dest, length)
 
 
 class _ServiceError(Exception):
@@ -394,30 +340,8 @@ class _ServiceError(Exception):
         self.response = {"Error": {"Code": code, "Message": message}}
 
 
-def _memory_create(fs: Any, full: str, body: bytes) -> None:
+def _memory_create(fs: Any, full: str, body: bytes | bytearray) -> None:
     with _MEMORY_LOCK:
         if fs.exists(full):
             raise FileExistsError(full)
         fs.pipe_file(full, body)
-
-
-def _default_options(protocol: str, max_concurrency: int, user: Mapping[str, Any]) -> dict[str, Any]:
-    """storage_options with our defaults underneath: one retry loop (ours), no listing cache, enough connections."""
-    options = dict(user)
-    if protocol in _S3:
-        options.setdefault("use_listings_cache", False)
-        config = {"retries": {"total_max_attempts": 1}, "max_pool_connections": max(10, 2 * max_concurrency)}
-        options["config_kwargs"] = {**config, **dict(user.get("config_kwargs") or {})}
-    elif protocol in _LOCAL:
-        options.setdefault("auto_mkdir", True)
-    return options
-
-
-def _check_sizes(url: str, max_concurrency: int, part_bytes: int, max_bytes_per_s: float | None, is_s3: bool) -> None:
-    if max_concurrency < 1:
-        raise CheckpointConfigError(f"max_concurrency={max_concurrency} for {url}: must be >= 1")
-    minimum = S3_MIN_PART if is_s3 else 1
-    if part_bytes < minimum:
-        raise CheckpointConfigError(f"part_bytes={part_bytes} for {url}: must be >= {minimum} (S3 parts are at least 5 MiB)")
-    if max_bytes_per_s is not None and max_bytes_per_s <= 0:
-        raise CheckpointConfigError(f"max_bytes_per_s={max_bytes_per_s} for {url}: must be > 0, or None for no limit")

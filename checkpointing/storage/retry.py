@@ -1,6 +1,6 @@
 """Retries for remote storage: which errors are transient, how long to wait, and what to tell the user.
 
-Three parts, pure where possible:
+Layer: storage. Four parts, pure where possible:
 - `classify(exc)` reads an exception (a botocore ClientError, one that s3fs translated into a
   builtin with the ClientError as its `__cause__`, a connection/timeout error, or a builtin OSError
   from a filesystem) and says what kind of failure it is. It imports no cloud SDK: it reads the
@@ -9,7 +9,9 @@ Three parts, pure where possible:
   retrying only known-transient errors and translating everything else once, at this boundary:
   a missing object -> FileNotFoundError, a refused conditional create -> FileExistsError, a range past
   the end -> EOFError, anything else -> RemoteStorageError (what, where, how to fix).
-- `redact_url` / `redact` keep credentials out of every message this package produces.
+- `Retrying` is that loop as a wrapper a backend is composed with: a policy plus the secrets to keep
+  out of messages (redact.py). Every request FsspecStorage makes goes through one
+  (endpoint.Endpoint.request), so no backend has a retry loop or an error translation of its own.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import enum
 import errno
 import logging
 import random
-import re
 import time
 from typing import Callable, Iterable, Iterator, Mapping, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 from checkpointing.errors import CheckpointConfigError, CheckpointError
+from checkpointing.storage.redact import redact
 
 log = logging.getLogger("checkpointing")
 
@@ -263,46 +264,24 @@ def retry_call(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-# ---------------------------------------------------------------- credentials never leave this module
+@dataclasses.dataclass(frozen=True)
+class Retrying:
+    """The retry wrapper: runs one request under `policy`, errors translated once with `secrets` redacted.
 
-_SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|sas|auth", re.IGNORECASE)
+    A backend is composed with one (FsspecStorage through its Endpoint) and sends every request
+    through `__call__`; replacing it (dataclasses.replace) changes the policy for later requests.
+    """
 
+    policy: RetryPolicy
+    secrets: tuple[str, ...] = ()
 
-def secret_values(options: Mapping[str, object] | None, url: str = "") -> tuple[str, ...]:
-    """String values in `options` (nested too) whose names look like credentials, and a password in `url`."""
-    found: list[str] = []
+    def __call__(self, what: str, where: str, fn: Callable[[], T]) -> T:
+        """`fn()`, retried on transient errors (see `retry_call`); `what` and `where` name it in messages."""
+        return retry_call(fn, self.policy, what=what, where=where, secrets=self.secrets)
 
-    def walk(obj: object, name: str) -> None:
-        if isinstance(obj, Mapping):
-            for k, v in obj.items():
-                walk(v, str(k))
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v, name)
-        elif isinstance(obj, str) and len(obj) >= 4 and _SECRET_KEY.search(name):
-            found.append(obj)
+    def translate(self, exc: Exception, *, what: str, where: str) -> BaseException:
+        """The exception to raise for `exc`, raised outside a request (see `translate`)."""
+        return translate(exc, what=what, where=where, secrets=self.secrets)
 
-    walk(options or {}, "")
-    password = urlsplit(url).password if "://" in url else None
-    if password:
-        found.append(password)
-    return tuple(sorted(set(found), key=len, reverse=True))
-
-
-def redact(text: str, secrets: Iterable[str]) -> str:
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    return text
-
-
-def redact_url(url: str) -> str:
-    """`url` without user info or query values: 's3://user:pw@bucket/p?sig=x' -> 's3://***@bucket/p?sig=***'."""
-    if "://" not in url:
-        return url
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "&".join(f"{kv.split('=', 1)[0]}=***" if "=" in kv else kv for kv in parts.query.split("&")) if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    def redact(self, text: str) -> str:
+        return redact(text, self.secrets)

@@ -1,6 +1,10 @@
 """Writing large objects for FsspecStorage: S3 multipart uploads, temp-then-rename streams, pacing.
 
-S3 multipart order: CreateMultipartUpload (lazily, with the first full part) -> UploadPart x N on the storage's
+Layer: storage (I/O). Everything here works through two objects it is handed: an Endpoint (where the
+tier is, and every request through the retry wrapper: endpoint.py) and Transfers (part size,
+parallelism, pacing and the thread pool: transfers.py). It never sees FsspecStorage, which builds on it.
+
+S3 multipart order: CreateMultipartUpload (lazily, with the first full part) -> UploadPart x N on the Transfers'
 thread pool, at most `max_concurrency` in flight per upload (so memory stays near
 max_concurrency * part_bytes) -> ListParts, checking every part's size against what was sent ->
 CompleteMultipartUpload. The object appears under its name only at completion, whole. Any failure
@@ -9,7 +13,7 @@ aborts the upload (AbortMultipartUpload), and an aborted or crashed upload leave
 "abort incomplete multipart uploads" reclaims them after a crash).
 
 Filesystems without multipart uploads (memory, file, ...) get TempStream: write `<name>.tmp-<token>`,
-rename it over the final name on close. Throttle paces every upload to max_bytes_per_s.
+rename it over the final name on close. Every upload is paced by Transfers.pace.
 """
 
 from __future__ import annotations
@@ -19,19 +23,15 @@ import functools
 import logging
 import os
 import threading
-import time
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from checkpointing.format.naming import new_token
-from checkpointing.storage.retry import ErrorInfo, ErrorKind, RemoteStorageError, redact, translate
-
-if TYPE_CHECKING:
-    from checkpointing.storage.remote import FsspecStorage
+from checkpointing.storage.endpoint import Endpoint
+from checkpointing.storage.retry import ErrorInfo, ErrorKind, RemoteStorageError
+from checkpointing.storage.transfers import Transfers
 
 log = logging.getLogger("checkpointing")
 
-S3_MIN_PART = 5 << 20  # every part but the last must be at least this big
 S3_MAX_PARTS = 10_000
 
 
@@ -42,19 +42,18 @@ class _Aborted(Exception):
 class Multipart:
     """One multipart upload of the object `path`; parts are submitted in order by one thread."""
 
-    def __init__(self, storage: FsspecStorage, path: str) -> None:
-        self.storage, self.path, self.key = storage, path, storage._key(path)
+    def __init__(self, endpoint: Endpoint, transfers: Transfers, path: str) -> None:
+        self.endpoint, self.transfers, self.path, self.key = endpoint, transfers, path, endpoint.key(path)
         self.upload_id: str | None = None
         self.sent: dict[int, int] = {}  # part number -> bytes sent
         self.etags: dict[int, str] = {}
         self.futures: list[Future] = []
-        self.slots = threading.BoundedSemaphore(storage.max_concurrency)
+        self.slots = threading.BoundedSemaphore(transfers.max_concurrency)
         self.lock = threading.Lock()
         self.failure: BaseException | None = None
 
     def _s3(self, what: str, method: str, **kwargs: Any) -> Any:
-        st = self.storage
-        return st._call(what, self.path, lambda: st._s3(method, Key=self.key, **kwargs))
+        return self.endpoint.s3(what, self.path, method, Key=self.key, **kwargs)
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -63,7 +62,7 @@ class Multipart:
     def submit(self, number: int, body: Callable[[], bytes | bytearray], size: int) -> None:
         """Upload part `number` (1-based) in the background; blocks while max_concurrency parts are in flight."""
         if number > S3_MAX_PARTS:
-            raise OSError(errno.EFBIG, f"{self.storage._where(self.path)}: more than {S3_MAX_PARTS} parts; raise part_bytes")
+            raise OSError(errno.EFBIG, f"{self.endpoint.where(self.path)}: more than {S3_MAX_PARTS} parts; raise part_bytes")
         self._check()
         if self.upload_id is None:
             self.upload_id = self._s3("start upload", "create_multipart_upload")["UploadId"]
@@ -71,7 +70,7 @@ class Multipart:
         try:
             self._check()
             self.sent[number] = size
-            self.futures.append(self.storage._executor().submit(self._upload, number, body))
+            self.futures.append(self.transfers.executor().submit(self._upload, number, body))
         except BaseException:
             self.slots.release()
             raise
@@ -80,7 +79,7 @@ class Multipart:
         try:
             self._check()  # fail fast: no more parts once one has failed or the upload was aborted
             body = body_fn()
-            self.storage._pace(len(body))
+            self.transfers.pace(len(body))
             out = self._s3(f"upload part {number} of", "upload_part", UploadId=self.upload_id, PartNumber=number, Body=body)
             with self.lock:
                 self.etags[number] = out["ETag"]
@@ -114,7 +113,7 @@ class Multipart:
             n, size, got = bad[0]
             cause = OSError(errno.EIO, f"part {n} is {got} bytes on the server, {size} were sent ({len(bad)} bad part(s))")
             info = ErrorInfo(ErrorKind.PERMANENT, hint="the upload was damaged in transit and has been aborted; write it again")
-            raise RemoteStorageError("upload", self.storage._where(self.path), cause, info, 1)
+            raise RemoteStorageError("upload", self.endpoint.where(self.path), cause, info, 1)
 
     def abort(self) -> None:
         """Stop and discard the upload (idempotent). Errors are logged: abort runs on failure paths."""
@@ -132,7 +131,7 @@ class Multipart:
             pass
         except Exception as exc:  # noqa: BLE001 - the parts stay invisible; a lifecycle rule reclaims them
             log.warning("checkpointing: could not abort the multipart upload of %s: %s",
-                        self.storage._where(self.path), redact(str(exc), self.storage._secrets))
+                        self.endpoint.where(self.path), self.endpoint.redact(str(exc)))
 
 
 class S3Stream:
@@ -144,18 +143,18 @@ class S3Stream:
 
     alignment = 1
 
-    def __init__(self, storage: FsspecStorage, path: str) -> None:
-        self.storage, self.path = storage, path
-        self.upload = Multipart(storage, path)
+    def __init__(self, endpoint: Endpoint, transfers: Transfers, path: str) -> None:
+        self.endpoint, self.transfers, self.path = endpoint, transfers, path
+        self.upload = Multipart(endpoint, transfers, path)
         self.buf = bytearray()
         self.parts = 0
         self.done = False
 
     def write(self, data: memoryview) -> None:
         if self.done:
-            raise ValueError(f"write to {self.storage._where(self.path)} after close() or abort()")
+            raise ValueError(f"write to {self.endpoint.where(self.path)} after close() or abort()")
         view = memoryview(data).cast("B")
-        size = self.storage.part_bytes
+        size = self.transfers.part_bytes
         while len(view):
             take = min(len(view), size - len(self.buf))
             self.buf += view[:take]
@@ -175,7 +174,7 @@ class S3Stream:
         try:
             if self.parts == 0:
                 body, self.buf = bytes(self.buf), bytearray()
-                self.storage.put(self.path, body)
+                put_object(self.endpoint, self.transfers, self.path, body)
                 return
             if self.buf:
                 self._send()
@@ -195,32 +194,32 @@ class TempStream:
 
     alignment = 1
 
-    def __init__(self, storage: FsspecStorage, path: str) -> None:
-        self.storage, self.path = storage, path
-        self.full = storage._full(path)
-        self.tmp = f"{self.full}.tmp-{new_token()}"
-        self.file = storage._call("open", path, lambda: storage.fs.open(self.tmp, "wb"))
+    def __init__(self, endpoint: Endpoint, transfers: Transfers, path: str) -> None:
+        self.endpoint, self.pace, self.path = endpoint, transfers.pace, path
+        self.full = endpoint.full(path)
+        self.tmp = endpoint.temp_name(path)
+        self.file = endpoint.request("open", path, lambda: endpoint.fs.open(self.tmp, "wb"))
 
     def write(self, data: memoryview) -> None:
-        self.storage._pace(len(data))
+        self.pace(len(data))
         try:
             self.file.write(data)
         except Exception as exc:  # noqa: BLE001 - translated at the boundary
-            raise translate(exc, what="write", where=self.storage._where(self.path), secrets=self.storage._secrets) from exc
+            raise self.endpoint.translate(exc, "write", self.path) from exc
 
     def close(self) -> None:
-        st = self.storage
+        ep = self.endpoint
         if self.file is None:
             return  # already closed or aborted
         try:
-            st._fsync_file(self.file)
+            ep.fsync_file(self.file)
             self.file.close()
             self.file = None
-            st._call("rename", self.path, lambda: st.fs.mv(self.tmp, self.full))
+            ep.request("rename", self.path, lambda: ep.fs.mv(self.tmp, self.full))
         except BaseException:
             self.abort()
             raise
-        st._sync_parent(self.full)
+        ep.sync_parent(self.full)
 
     def abort(self) -> None:
         if self.file is not None:
@@ -229,24 +228,7 @@ class TempStream:
             except Exception:  # noqa: BLE001 - we are discarding it anyway
                 pass
             self.file = None
-        self.storage._discard(self.tmp)
-
-
-class Throttle:
-    """Paces transfers to `rate` bytes/s across threads: each reserves its share of time, then waits its turn."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = float(rate)
-        self.lock = threading.Lock()
-        self.next = time.monotonic()
-
-    def __call__(self, nbytes: int) -> None:
-        with self.lock:
-            now = time.monotonic()
-            start = max(now, self.next)
-            self.next = start + nbytes / self.rate
-        if start > now:
-            time.sleep(start - now)
+        self.endpoint.discard(self.tmp)
 
 
 def pread_exact(fd: int, n: int, offset: int, *, name: str) -> bytes:
@@ -264,15 +246,28 @@ def pread_exact(fd: int, n: int, offset: int, *, name: str) -> bytes:
     return b"".join(chunks)
 
 
-def upload_file(storage: FsspecStorage, local_path: str | os.PathLike, dest: str, length: int | None) -> None:
+def open_stream(endpoint: Endpoint, transfers: Transfers, path: str) -> S3Stream | TempStream:
+    """The StreamWriter for `path`: a multipart upload on S3, a temporary renamed on close elsewhere."""
+    if endpoint.is_s3:
+        return S3Stream(endpoint, transfers, path)
+    return TempStream(endpoint, transfers, path)
+
+
+def put_object(endpoint: Endpoint, transfers: Transfers, path: str, body: bytes | bytearray) -> None:
+    """S3: `body` (at most one part) as one PutObject, paced: the object appears whole or not at all."""
+    transfers.pace(len(body))
+    endpoint.s3("put", path, "put_object", Key=endpoint.key(path), Body=body)
+
+
+def upload_file(endpoint: Endpoint, transfers: Transfers, local_path: str | os.PathLike, dest: str, length: int | None) -> None:
     """FsspecStorage.upload_file: parallel multipart on S3 above one part, else one put or a stream."""
     with open(local_path, "rb") as f:
         fd = f.fileno()
         total = os.fstat(fd).st_size if length is None else length
         read = functools.partial(pread_exact, fd, name=os.fspath(local_path))
-        if storage.is_s3 and total > storage.part_bytes:
-            part = max(storage.part_bytes, -(-total // S3_MAX_PARTS))
-            upload = Multipart(storage, dest)
+        if endpoint.is_s3 and total > transfers.part_bytes:
+            part = max(transfers.part_bytes, -(-total // S3_MAX_PARTS))
+            upload = Multipart(endpoint, transfers, dest)
             try:
                 for number, offset in enumerate(range(0, total, part), start=1):
                     n = min(part, total - offset)
@@ -282,13 +277,13 @@ def upload_file(storage: FsspecStorage, local_path: str | os.PathLike, dest: str
                 upload.abort()
                 raise
             return
-        if storage.is_s3:
-            storage.put(dest, read(total, 0))
+        if endpoint.is_s3:
+            put_object(endpoint, transfers, dest, read(total, 0))
             return
-        stream = storage.open_stream(dest)
+        stream = open_stream(endpoint, transfers, dest)
         try:
-            for offset in range(0, total, storage.part_bytes):
-                stream.write(memoryview(read(min(storage.part_bytes, total - offset), offset)))
+            for offset in range(0, total, transfers.part_bytes):
+                stream.write(memoryview(read(min(transfers.part_bytes, total - offset), offset)))
             stream.close()
         except BaseException:
             stream.abort()

@@ -1,7 +1,7 @@
 """The steps on one tier: list them, read a committed step's manifest, commit (I/O).
 
 A step is committed only when its COMMIT marker exists and names a manifest whose sha256 matches.
-Write order: pack data -> manifest -> COMMIT. Deleting (retention, gc) is gc.py's: COMMIT first,
+Write order: pack data -> manifest -> COMMIT. Deleting (retention, gc) is collect.py's: COMMIT first,
 then whatever no committed step or save in flight references.
 """
 
@@ -12,7 +12,8 @@ import logging
 
 from checkpointing.format import naming
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CommitConflictError, ManifestError
-from checkpointing.format.manifest import CommitMarker, Manifest, decode_commit, decode_manifest, encode_commit, encode_manifest, manifest_digest
+from checkpointing.format.decode import decode_commit, decode_manifest
+from checkpointing.format.manifest import CommitMarker, Manifest, encode_commit, encode_manifest, manifest_digest
 from checkpointing.storage import Storage
 
 log = logging.getLogger("checkpointing")

@@ -23,15 +23,13 @@ retired and G4 finds it committed, with every file it references.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
-from typing import Callable, Collection, Iterable
+from typing import Callable, Collection
 
 from checkpointing.tier import catalog
 from checkpointing.format import naming
 from checkpointing.errors import CheckpointError, ManifestError
-from checkpointing.format.manifest import FORMAT_VERSION, canonical_json
 from checkpointing.storage import Storage
 from checkpointing.tier.pins import PIN_PREFIX, read_pin
 
@@ -75,34 +73,9 @@ def collect(
     remove files inside committed steps' directories that nothing references (stale pins, a losing
     writer's files, temporaries); retention after a save skips that scan.
     """
-    now = time.time() if now is None else now
-    mtime = getattr(storage, "mtime", None)
-
-    def age(path: str) -> float | None:
-        if mtime is None:
-            return None
-        try:
-            return now - mtime(path)
-        except (FileNotFoundError, OSError):
-            return None
-
-    def young(path: str) -> bool:
-        a = age(path) if min_age_s > 0 else None
-        return a is not None and a < min_age_s
-
-    def dead(pin: str) -> bool:
-        """A crashed writer's pin: older than pin_ttl_s (with pin_ttl_s <= 0, every pin)."""
-        if pin_ttl_s is None:
-            return False
-        a = age(pin) if pin_ttl_s > 0 else None
-        return pin_ttl_s <= 0 or (a is not None and a > pin_ttl_s)
-
-    # G1: retire
+    ages = _Ages(storage, time.time() if now is None else now, min_age_s, pin_ttl_s)
     retire = sorted(set(retire))
-    if not dry_run:
-        for step in retire:
-            storage.delete(naming.commit_name(step))
-    listing = catalog.list_steps(storage)
+    listing = _retire(storage, retire, dry_run)  # G1
     committed = [s for s in listing.committed if not (dry_run and s in retire)]
     uncommitted = sorted(set(listing.incomplete) | (set(retire) & set(listing.committed) if dry_run else set()))
     out = Collected([s for s in retire if s in listing.committed] if dry_run else list(retire), [], {}, [], [])
@@ -110,18 +83,91 @@ def collect(
         return out  # nothing to collect: no manifest needs reading
     # G2: what is there now (files created later belong to writers that pinned first)
     names = {s: storage.list(naming.step_dir(s)) for s in uncommitted}
-    # G3: pins
+    pins = _read_pins(storage, uncommitted, protect, ages)  # G3
+    refs = _read_manifests(storage, skip=retire if dry_run else ())  # G4
+    out.pinned, out.problems = pins.pinned, pins.problems + refs.problems
+    if out.problems:  # a step we cannot read may reference anything: delete no data
+        return out
+    sweep = _Sweep(storage, out, ages, pins.live | refs.live, dry_run=dry_run, measure=measure, on_delete=on_delete)
+    for s in uncommitted:  # G5: delete what nothing needs
+        if s in pins.pinned or s in refs.own:  # pinned, or committed since G2
+            continue
+        reason = f"step {s} retired" if s in retire else "incomplete step (no COMMIT)"
+        sweep.uncommitted_step(s, names[s], reason, pins.dead.get(s, []))
+    for s in committed if scan_committed else ():
+        if s in refs.own:
+            sweep.committed_step(s, refs.own[s])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ages:
+    """How old files are (Storage.mtime against `now`), for the min_age_s and pin_ttl_s filters."""
+
+    storage: Storage
+    now: float
+    min_age_s: float
+    pin_ttl_s: float | None
+
+    def age(self, path: str) -> float | None:
+        try:
+            return self.now - self.storage.mtime(path)
+        except (FileNotFoundError, OSError):
+            return None
+
+    def young(self, path: str) -> bool:
+        """Younger than min_age_s: it may belong to a writer that pins nothing."""
+        a = self.age(path) if self.min_age_s > 0 else None
+        return a is not None and a < self.min_age_s
+
+    def dead(self, pin: str) -> bool:
+        """A crashed writer's pin: older than pin_ttl_s (with pin_ttl_s <= 0, every pin)."""
+        if self.pin_ttl_s is None:
+            return False
+        a = self.age(pin) if self.pin_ttl_s > 0 else None
+        return self.pin_ttl_s <= 0 or (a is not None and a > self.pin_ttl_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pins:
+    """What G3 found in the uncommitted step directories."""
+
+    live: frozenset[str]  # files the pins that hold name
+    pinned: list[int]  # steps a save in flight holds (a pin that holds, or `protect`)
+    dead: dict[int, list[str]]  # step -> its crashed writers' pins
+    problems: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+    """What G4 found in the committed steps' manifests."""
+
+    live: frozenset[str]  # files they reference
+    own: dict[int, set[str]]  # committed step -> the names it owns (files, COMMIT, manifest)
+    problems: list[str]
+
+
+def _retire(storage: Storage, retire: list[int], dry_run: bool) -> catalog.StepListing:
+    """G1: remove the COMMIT of each step to retire (a dry run removes nothing), then list the steps."""
+    if not dry_run:
+        for step in retire:
+            storage.delete(naming.commit_name(step))
+    return catalog.list_steps(storage)
+
+
+def _read_pins(storage: Storage, uncommitted: list[int], protect: Collection[int], ages: _Ages) -> _Pins:
+    """G3: the pins in each uncommitted step directory; a crashed writer's pin holds nothing."""
     live: set[str] = set()
     problems: list[str] = []
     pinned: list[int] = []
-    dead_pins: dict[int, list[str]] = {}
+    dead: dict[int, list[str]] = {}
     for s in uncommitted:
         sdir = naming.step_dir(s)
         pins = [f"{sdir}/{n}" for n in storage.list(sdir) if n.startswith(PIN_PREFIX)]
         holds = s in protect
         for pin in pins:
-            if s not in protect and dead(pin):
-                dead_pins.setdefault(s, []).append(pin)
+            if s not in protect and ages.dead(pin):
+                dead.setdefault(s, []).append(pin)
                 continue
             holds = True
             try:
@@ -131,10 +177,18 @@ def collect(
                     problems.append(f"step {s}: {exc}")
         if holds:
             pinned.append(s)
-    # G4: committed manifests, listed again: a step that committed (and dropped its pin) since G2 is read here
-    now_committed = [s for s in catalog.list_steps(storage).committed if not (dry_run and s in retire)]
+    return _Pins(frozenset(live), pinned, dead, problems)
+
+
+def _read_manifests(storage: Storage, *, skip: Collection[int]) -> _Refs:
+    """G4: the committed steps, listed again (a step that committed and dropped its pin since G2 is
+    read here), and what their manifests reference. `skip`: steps a dry run pretends were retired."""
+    live: set[str] = set()
     own: dict[int, set[str]] = {}
-    for s in now_committed:
+    problems: list[str] = []
+    for s in catalog.list_steps(storage).committed:
+        if s in skip:
+            continue
         try:
             marker = catalog.read_commit(storage, s)
             manifest = catalog.load_manifest(storage, s)
@@ -144,68 +198,77 @@ def collect(
         files = {f.path for f in manifest.files} | manifest.data_files()
         live |= files
         own[s] = files | {naming.commit_name(s), marker.manifest}
-    committed = [s for s in committed if s in own]
-    out.pinned, out.problems = pinned, problems
-    if problems:  # a step we cannot read may reference anything: delete no data
-        return out
+    return _Refs(frozenset(live), own, problems)
 
-    def drop(path: str, reason: str) -> None:
-        nbytes = _size(storage, path) if measure else 0
-        if not dry_run:
-            storage.delete(path)
-        out.garbage.append(Garbage(path, nbytes, reason))
-        if on_delete is not None:
-            on_delete(out.garbage[-1])
 
-    # G5: delete what nothing needs
-    for s in uncommitted:
-        if s in pinned or s in own:  # pinned, or committed since G2
-            continue
-        sdir = naming.step_dir(s)
-        reason = f"step {s} retired" if s in retire else "incomplete step (no COMMIT)"
+class _Sweep:
+    """G5: delete (a dry run: only report) the files nothing needs, recording each in `out`."""
+
+    def __init__(self, storage: Storage, out: Collected, ages: _Ages, live: frozenset[str], *, dry_run: bool,
+                 measure: bool, on_delete: Callable[[Garbage], object] | None) -> None:
+        self.storage, self.out, self.ages, self.live = storage, out, ages, live
+        self.dry_run, self.measure, self.on_delete = dry_run, measure, on_delete
+
+    def drop(self, path: str, reason: str) -> None:
+        nbytes = _size(self.storage, path) if self.measure else 0
+        if not self.dry_run:
+            self.storage.delete(path)
+        self.out.garbage.append(Garbage(path, nbytes, reason))
+        if self.on_delete is not None:
+            self.on_delete(self.out.garbage[-1])
+
+    def uncommitted_step(self, step: int, names: list[str], reason: str, dead_pins: list[str]) -> None:
+        """The files G2 listed in an uncommitted, unpinned step (manifest first, then pins, then data);
+        its directory too once nothing is left in it."""
+        sdir = naming.step_dir(step)
         kept = 0
-        ordered = sorted(names[s], key=lambda n: (not n.startswith("manifest."), not n.startswith(PIN_PREFIX), n))
+        ordered = sorted(names, key=lambda n: (not n.startswith("manifest."), not n.startswith(PIN_PREFIX), n))
         for n in ordered:
             path = f"{sdir}/{n}"
-            if path in live or young(path):
-                kept += path in live
+            if path in self.live or self.ages.young(path):
+                kept += path in self.live
                 continue
-            drop(path, reason if path not in dead_pins.get(s, ()) else "pin of a crashed save")
+            self.drop(path, reason if path not in dead_pins else "pin of a crashed save")
         if kept:
-            out.kept[s] = kept
-        elif not dry_run and not young(sdir):
-            storage.remove_dir(sdir)
-    for s in committed if scan_committed else ():
-        if s not in own:
-            continue
-        sdir = naming.step_dir(s)
-        for n in storage.list(sdir):
+            self.out.kept[step] = kept
+        elif not self.dry_run and not self.ages.young(sdir):
+            self.storage.remove_dir(sdir)
+
+    def committed_step(self, step: int, own: set[str]) -> None:
+        """Files in a committed step's directory that neither it nor any live pin or manifest names."""
+        sdir = naming.step_dir(step)
+        for n in self.storage.list(sdir):
             path = f"{sdir}/{n}"
-            if n.startswith(PIN_PREFIX) and not dead(path):
+            if n.startswith(PIN_PREFIX) and not self.ages.dead(path):
                 continue  # its writer committed and is about to remove it
-            if path not in own[s] and path not in live and not young(path):
-                drop(path, "not referenced by the step's manifest")
-    return out
+            if path not in own and path not in self.live and not self.ages.young(path):
+                self.drop(path, "not referenced by the step's manifest")
 
 
 def apply_retention(storage: Storage, keep: int | None, *, protect: int | Collection[int] | None = None,
-                    in_flight: Collection[int] = ()) -> list[int]:
-    """Retire committed steps beyond the newest `keep` (never those in `protect`) and collect what
-    they alone referenced; returns the retired steps. `in_flight`: this process's saves in flight."""
+                    in_flight: Collection[int] = (), sweep: bool = False, where: str | None = None) -> list[int]:
+    """Retire committed steps beyond the newest `keep` (never those in `protect`; None keeps all) and
+    collect what they alone referenced; returns the retired steps. `in_flight`: this process's saves
+    (or uploads) in flight. The retention of both tiers after each save or upload.
+
+    `sweep`: collect also when no step is retired (a failed upload's files on the remote tier), and
+    leave an OSError to the caller; without it a failed delete is logged and retried next time.
+    `where`: the tier as the log names it (default "in <url>").
+    """
     from checkpointing.plan.retention import steps_to_delete
 
-    if keep is None:
-        return []
-    doomed = steps_to_delete(catalog.list_steps(storage).committed, keep, protect=protect)
-    if not doomed:
+    doomed = [] if keep is None else steps_to_delete(catalog.list_steps(storage).committed, keep, protect=protect)
+    if not doomed and not sweep:
         return []
     try:
         result = collect(storage, retire=doomed, protect=in_flight, scan_committed=False)
     except OSError as exc:  # one failed delete must not stop training; retried after the next save
+        if sweep:
+            raise
         log.warning("checkpointing: could not delete steps %s from %s: %s", doomed, storage.url, exc)
         return []
     for p in result.problems:
-        log.warning("checkpointing: retention in %s kept every data file: %s", storage.url, p)
+        log.warning("checkpointing: retention %s kept every data file: %s", where or f"in {storage.url}", p)
     return doomed
 
 

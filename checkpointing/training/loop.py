@@ -1,8 +1,10 @@
 """What the training loop calls besides save() and restore(): step marks, should_save, preemption
 handling, the run's summary (orchestration).
 
-A mixin of CheckpointManager, like background.py, so that manager.py stays the save/restore
-path. The measuring is in accounting.py (glue) and steptime.py / schedule.py (pure).
+`TrainingLoop` is the manager's helper for these: CheckpointManager holds one and forwards its
+public methods to it (step, should_save, interval_steps, summary, handle_preemption), and tells it
+of the safe points it sees (save(), the optimizer step pre-hook, close()). The measuring is in
+observe/accounting.py (glue) and observe/steptime.py / plan/schedule.py (pure).
 
 Several ranks and interval="auto": every rank must answer should_save() the same. Rank 0's
 schedule decides; after each save, rank 0 publishes the interval in steps that applies from then
@@ -16,70 +18,56 @@ value arrives, usually the step after the save's cost is measured on rank 0.
 from __future__ import annotations
 
 import json
-import signal
-import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from torch.optim import Optimizer
+
+from checkpointing.dist import keys
+from checkpointing.dist.types import Store
+from checkpointing.errors import CheckpointConfigError
 from checkpointing.format import naming
 from checkpointing.observe.accounting import SaveAccounting
-from checkpointing.errors import CheckpointConfigError
-from checkpointing.observe.metrics import SaveStats
-from checkpointing.options import PreemptionOptions
-from checkpointing.training.preemption import Preemption
-from checkpointing.plan.schedule import SaveSchedule
 from checkpointing.observe.steptime import RunSummary
-from checkpointing.save.writer import SaveJob
+from checkpointing.options import PreemptionOptions
+from checkpointing.plan.schedule import SaveSchedule
+from checkpointing.training.preemption import Preemption, SavePath
 
 
-class LoopHooks:
-    """The training loop's side of CheckpointManager; the attributes below are set by its constructor."""
+class TrainingLoop:
+    """The training loop's side of one manager (training thread only).
 
-    rank: int
-    world_size: int
-    _coord: Any
-    _acct: SaveAccounting
-    _preemption: Preemption | None
-    _marks_steps: bool
-    _lock: threading.Lock
-    _stats: list[SaveStats]
-    _store: Any = None  # the training thread's own store client (several ranks), made when first needed
+    `saves` is the manager's save path (for an emergency save); `new_store` opens a connection to
+    the job's store for this thread (None with one rank), made when first needed.
+    """
 
-    def _check_open(self) -> None:
-        raise NotImplementedError
+    def __init__(self, acct: SaveAccounting, saves: SavePath, *, rank: int, world_size: int,
+                 new_store: Callable[[], Store | None]) -> None:
+        self._acct, self._saves = acct, saves
+        self._rank, self._world_size = rank, world_size
+        self._new_store = new_store
+        self._store: Store | None = None
+        self.preemption: Preemption | None = None
+        self.marks_steps = False  # should_save()/step() are called: safe points for an emergency save
 
-    def step(self, step: int) -> "StepScope":
-        """Mark the beginning of training step `step` (which ends the step begun before it).
-
-        Not needed in loops with an optimizer: each optimizer.step() marks a step already. Call it
-        at the top of every iteration, or wrap the iteration in ``with mgr.step(step):`` (which also
-        marks its end). From the first call on, steps are marked only this way.
-        """
-        self._check_step(step)
-        self._marks_steps = True
+    def step(self, step: int) -> StepScope:
+        """Mark the beginning of training step `step` (CheckpointManager.step)."""
+        naming.check_step(step)
+        self.marks_steps = True
         self._acct.begin(step)
-        if self._preemption is not None:
-            self._preemption.check(self._acct.last_step)
+        self.at_safe_point(self._acct.last_step)
         return StepScope(self, step)
 
     def should_save(self, step: int) -> bool:
-        """Whether to save `step` now, by the manager's `interval` (every N steps, or "auto").
-
-        Call it where you would save, after training step `step`: ``if mgr.should_save(step):
-        mgr.save(step, state)``. With interval="auto" the first call of a run answers True, and
-        later ones follow Daly's interval from the measured cost of saves (checkpointing/schedule.py).
-        Every rank gets the same answers. After a preemption signal it is where the emergency
-        save happens (handle_preemption).
-        """
-        self._check_step(step)
+        """Whether to save `step` now, by the manager's `interval` (CheckpointManager.should_save)."""
+        naming.check_step(step)
         schedule = self._acct.schedule
         if schedule is None:
             raise CheckpointConfigError("should_save() needs a schedule: create the manager with interval=N (every N steps) "
                                         "or interval='auto' with mtbf_s=...")
         self._acct.last_step = step
-        self._marks_steps = True
-        if self._preemption is not None:
-            self._preemption.check(step)
-        if schedule.interval == "auto" and self.world_size > 1:
+        self.marks_steps = True
+        self.at_safe_point(step)
+        if schedule.interval == "auto" and self._world_size > 1:
             self._agree_interval(schedule, step)
         return schedule.due(step)
 
@@ -92,53 +80,58 @@ class LoopHooks:
         return schedule.interval if schedule.interval != "auto" else schedule.every_steps
 
     def summary(self) -> RunSummary:
-        """The run so far: steps, training wall time, what the saves cost in all and as a share of
-        training time, the median step time, and seconds from this manager's creation to the first
-        durable save (time_to_first_durable_s)."""
         return self._acct.summary()
 
-    def handle_preemption(self, state: Mapping[str, Any], *, grace_s: float = 30.0,
-                          signals: tuple[int, ...] | list[int] = (signal.SIGTERM,)) -> None:
-        """On one of `signals`, save `state` at the next step boundary, commit it locally, and exit.
-
-        Call it once, from the main thread, on every rank, with the state you pass to save().
-        After the signal, the next ``mgr.should_save(step)``, ``mgr.save(step, ...)`` or
-        ``mgr.step(step)`` (a point where `state` is that after a finished step) saves it as that
-        step (a save of that step in flight is finished instead), waits until it is committed on
-        the local tier (the remote upload may not finish; the next start resumes it), and exits
-        with status 128 + signum, within `grace_s` seconds of the signal (after which the process
-        exits anyway, leaving nothing half-visible). Several ranks agree on the step through the
-        job's store. Details: checkpointing/preemption.py and docs/observability.md.
-        """
-        self._check_open()
+    def handle_preemption(self, state: Mapping[str, Any], *, grace_s: float, signals: tuple[int, ...] | list[int]) -> None:
+        """Install the handling of preemption signals (CheckpointManager.handle_preemption)."""
         options = PreemptionOptions(grace_s=grace_s, signals=tuple(signals) if isinstance(signals, (tuple, list)) else signals)
         if not isinstance(state, Mapping):
             raise CheckpointConfigError(f"handle_preemption(state=...) needs the dict you pass to save(), got a {type(state).__name__}")
-        if self._preemption is not None:
-            self._preemption.stop()
-        self._preemption = Preemption(self, state, options, store=self._training_store())
-        self._preemption.install()
+        if self.preemption is not None:
+            self.preemption.stop()
+        self.preemption = Preemption(self._saves, state, options, rank=self._rank, world_size=self._world_size,
+                                     store=self._training_store())
+        self.preemption.install()
+
+    # ------------------------------------------------------------------ what the manager reports
+
+    def at_safe_point(self, step: int | None) -> None:
+        """The state is that after step `step` (save(), a step mark): where an emergency save may happen."""
+        if self.preemption is not None:
+            self.preemption.check(step)
+
+    def step_ended(self, step: int) -> None:
+        """The end of ``with mgr.step(step):``."""
+        self._acct.end(step)
+        self.at_safe_point(step)
+
+    def optimizer_step(self, optimizer: Optimizer) -> None:
+        """The optimizer step pre-hook (after the guard): a step boundary, and for a loop that
+        marks no step the point where a preemption finishes the in-flight save."""
+        self._acct.optimizer_step(optimizer)
+        if self.preemption is not None and not self.marks_steps:
+            self.preemption.at_optimizer_step()
+
+    def at_close(self) -> float | None:
+        """close() begins: a pending signal's emergency save (one rank); returns how long close()
+        may wait for the saves in flight (None: no limit; a stop was requested: its grace)."""
+        preemption = self.preemption
+        if preemption is None:
+            return None
+        preemption.at_close(self._acct.last_step)
+        return preemption.remaining() if preemption.requested else None
+
+    def stop(self) -> None:
+        """close() ends: the signal handlers go back."""
+        if self.preemption is not None:
+            self.preemption.stop()
 
     # ------------------------------------------------------------------ internals
 
-    def _check_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= naming.MAX_STEP:
-            raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{naming.MAX_STEP}")
-
-    def _replace_stats(self, job: SaveJob, old: SaveStats, new: SaveStats) -> None:
-        """A save's record gained its step fields (SaveAccounting)."""
-        with self._lock:
-            for i in range(len(self._stats) - 1, -1, -1):
-                if self._stats[i] is old:
-                    self._stats[i] = new
-                    break
-            if job.stats is old:
-                job.stats = new
-
-    def _training_store(self) -> Any:
+    def _training_store(self) -> Store | None:
         """A store connection for the training thread (several ranks), or None (one rank)."""
-        if self.world_size > 1 and self._store is None:
-            self._store = self._coord.new_store_client()
+        if self._world_size > 1 and self._store is None:
+            self._store = self._new_store()
         return self._store
 
     def _agree_interval(self, schedule: SaveSchedule, step: int) -> None:
@@ -147,15 +140,16 @@ class LoopHooks:
         if schedule.last_save is None or schedule.adopted_period == n:
             return
         store = self._training_store()
-        key = f"auto/{n}"
-        if self.rank == 0:
+        assert store is not None
+        key = keys.auto_interval(n)
+        if self._rank == 0:
             if schedule.proposed is None:
                 return
             value = {"every_steps": schedule.proposed, "from_step": step + 1}
             store.set(key, json.dumps(value))
             if n >= 2:
                 try:
-                    store.delete_key(f"auto/{n - 2}")
+                    store.delete_key(keys.auto_interval(n - 2))
                 except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
                     pass
         else:
@@ -168,14 +162,12 @@ class LoopHooks:
 class StepScope:
     """What mgr.step(step) returns: ``with mgr.step(step):`` also marks the step's end."""
 
-    def __init__(self, manager: LoopHooks, step: int) -> None:
-        self._manager, self.step = manager, step
+    def __init__(self, loop: TrainingLoop, step: int) -> None:
+        self._loop, self.step = loop, step
 
-    def __enter__(self) -> "StepScope":
+    def __enter__(self) -> StepScope:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self._manager._acct.end(self.step)
-            if self._manager._preemption is not None:
-                self._manager._preemption.check(self.step)
+            self._loop.step_ended(self.step)

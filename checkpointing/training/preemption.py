@@ -42,21 +42,46 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
+from checkpointing.dist import keys
+from checkpointing.dist.store import wait_set
+from checkpointing.dist.types import Store
 from checkpointing.errors import CheckpointError
 from checkpointing.options import PreemptionOptions
+from checkpointing.save.job import SaveJob
 
 log = logging.getLogger("checkpointing")
 
-STOP_KEY = "preempt/stop"
+STOP_KEY = keys.PREEMPT_STOP
+
+
+class SavePath(Protocol):
+    """What preemption asks of the manager's save path (save/issue.SaveIssuer is one)."""
+
+    @property
+    def current(self) -> SaveJob | None:
+        """The newest save issued (it may be done)."""
+        ...
+
+    def committed_steps(self) -> set[int]:
+        """Committed steps, without asking the remote tier."""
+        ...
+
+    def issue(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None) -> SaveJob:
+        """A save, as save() makes it (raises what save() raises)."""
+        ...
 
 
 class Preemption:
-    """One manager's handling of preemption signals; see the module docstring."""
+    """One manager's handling of preemption signals; see the module docstring. `saves` is the
+    manager's save path; `store` the training thread's connection to the job's store (several
+    ranks), or None."""
 
-    def __init__(self, manager: Any, state: Mapping[str, Any], options: PreemptionOptions, *, store: Any = None) -> None:
-        self.manager = manager
+    def __init__(self, saves: SavePath, state: Mapping[str, Any], options: PreemptionOptions, *, rank: int = 0,
+                 world_size: int = 1, store: Store | None = None) -> None:
+        self.saves = saves
+        self.rank, self.world_size = rank, world_size
         self.state = state
         self.options = options
         self.signum: int | None = None
@@ -67,7 +92,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._signalled = threading.Event()
         self._disarmed = threading.Event()
-        self._store = store  # the training thread's connection to the job's store (several ranks), or None
+        self._store = store
         self._watchdog = threading.Thread(target=self._watch, name="ckpt-preempt", daemon=True)
 
     # ------------------------------------------------------------------ installation (main thread)
@@ -125,7 +150,7 @@ class Preemption:
             return
         if step > stop:
             log.error("checkpointing: rank %d is at step %d, past the step %d the ranks agreed to stop at; exiting without "
-                      "a new save (the ranks do not step in lockstep)", self.manager.rank, step, stop)
+                      "a new save (the ranks do not step in lockstep)", self.rank, step, stop)
             return self._exit(None)
         self._act(step)
 
@@ -138,7 +163,7 @@ class Preemption:
         if self._store is not None and self.signum is not None:
             self._store.compare_set(STOP_KEY, "", "-1")  # the other ranks stop too (nothing new is saved)
         self._acting = True
-        job = self.manager._current
+        job = self.saves.current
         log.warning("checkpointing: preempted; this loop marks no step (call mgr.should_save(step) or mgr.step(step) in it "
                     "for an emergency save of the latest state), so the in-flight save is finished and the newest committed "
                     "step is what the next start restores")
@@ -155,7 +180,7 @@ class Preemption:
         elif self.signum is not None and step is not None:
             self._stop = int(self._store.compare_set(STOP_KEY, "", str(step + 1)))
             log.warning("checkpointing: rank %d preempted (%s) at step %d: the ranks stop after step %d",
-                        self.manager.rank, signal.Signals(self.signum).name, step, self._stop)
+                        self.rank, signal.Signals(self.signum).name, step, self._stop)
         if self._stop is not None and self.deadline is None:  # learnt from another rank: its grace applies here too
             self.deadline = time.monotonic() + self.options.grace_s
             self.signum = self.signum or signal.SIGTERM
@@ -171,18 +196,17 @@ class Preemption:
     def _act(self, step: int | None, exit: bool = True) -> None:
         """Save `step` (or finish its save), wait for the local commit, meet the other ranks, exit."""
         self._acting = True
-        mgr = self.manager
         t0 = time.monotonic()
         name = signal.Signals(self.signum).name if self.signum else "a stop request"
         if step is None:
             log.warning("checkpointing: preempted (%s) before any step ended: nothing newer than the committed steps to save", name)
         else:
-            job = mgr._current
-            writing = job is not None and not job.done.is_set()
+            job = self.saves.current
+            writing = job is not None and not job.outcome.done.is_set()
             if job is not None and job.step == step:
                 if writing:
                     log.warning("checkpointing: preempted (%s): finishing the in-flight save of step %d", name, step)
-            elif step in mgr._committed_fast():
+            elif step in self.saves.committed_steps():
                 job = None
             else:
                 if writing:
@@ -192,7 +216,7 @@ class Preemption:
                 job = self._save(step)
             if job is not None:
                 self._wait_local(job)
-                if job.error is None:
+                if job.outcome.error is None:
                     log.warning("checkpointing: step %d committed on the local tier %.2f s after the safe point; exiting",
                                 step, time.monotonic() - t0)
         self._barrier()
@@ -201,48 +225,40 @@ class Preemption:
         else:
             self.handled = True
 
-    def _save(self, step: int) -> Any:
-        mgr = self.manager
+    def _save(self, step: int) -> SaveJob | None:
         for attempt in (1, 2):
             try:
-                return mgr.save(step, self.state, eager=True)._job
+                return self.saves.issue(step, self.state, eager=True)
             except CheckpointError as exc:  # the first may be an earlier save's error, raised once
                 log.error("checkpointing: emergency save of step %d: %s", step, exc)
-                if attempt == 2 or mgr._current is None or mgr._current.step == step:
+                current = self.saves.current
+                if attempt == 2 or current is None or current.step == step:
                     return None
         return None
 
-    def _wait_local(self, job: Any) -> None:
-        if not job.done.wait(self.remaining()):
+    def _wait_local(self, job: SaveJob) -> None:
+        outcome = job.outcome
+        if not outcome.done.wait(self.remaining()):
             log.error("checkpointing: step %d is not committed locally within the grace period", job.step)
-        elif job.error is not None:
-            log.error("checkpointing: the save of step %d failed: %s; the newest committed step is intact", job.step, job.error)
-            job.error_reported = True
+        elif outcome.error is not None:
+            log.error("checkpointing: the save of step %d failed: %s; the newest committed step is intact", job.step, outcome.error)
+            outcome.error_reported = True
 
     def _barrier(self) -> None:
         """Every rank is done; then rank 0 (which may host the store) leaves last."""
         if self._store is None:
             return
-        mgr = self.manager
         end = time.monotonic() + max(0.0, (self.remaining() or 0.0) - 1.0)
         try:
-            self._store.set(f"preempt/done/{mgr.rank}", b"1")
-            if not self._wait([f"preempt/done/{r}" for r in range(mgr.world_size)], end):
+            self._store.set(keys.preempt_done(self.rank), b"1")
+            if not wait_set(self._store, [keys.preempt_done(r) for r in range(self.world_size)], end):
                 log.error("checkpointing: not every rank finished the emergency save within the grace period; exiting")
                 return
-            self._store.set(f"preempt/left/{mgr.rank}", b"1")
-            if mgr.rank == 0:
-                self._wait([f"preempt/left/{r}" for r in range(mgr.world_size)], end)
+            self._store.set(keys.preempt_left(self.rank), b"1")
+            if self.rank == 0:
+                wait_set(self._store, [keys.preempt_left(r) for r in range(self.world_size)], end)
         except Exception as exc:  # noqa: BLE001 - the store is gone (its host exited): nothing left to wait for
-            log.warning("checkpointing: rank %d: the store went away during the exit barrier (%s)", mgr.rank, type(exc).__name__)
-
-    def _wait(self, keys: list[str], end: float) -> bool:
-        assert self._store is not None
-        while not self._store.check(keys):
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.005)
-        return True
+            log.warning("checkpointing: rank %d: the store went away during the exit barrier (%s)", self.rank, type(exc).__name__)
 
     def _poll(self) -> bool:
         """Whether another rank asked to stop (one store round trip); a lost store reads as no."""
@@ -252,7 +268,7 @@ class Preemption:
         except Exception as exc:  # noqa: BLE001 - never break the training loop over a status poll
             if not getattr(self, "_poll_failed", False):
                 self._poll_failed = True
-                log.warning("checkpointing: rank %d cannot reach the store to check for preemption: %s", self.manager.rank, exc)
+                log.warning("checkpointing: rank %d cannot reach the store to check for preemption: %s", self.rank, exc)
             return False
 
     def _exit(self, step: int | None) -> None:

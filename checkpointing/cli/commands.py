@@ -1,0 +1,230 @@
+"""The commands on a tier: `ls`, `inspect`, `verify`, `gc` and `export`, each what it does and prints (layer: cli).
+
+Each takes the parsed arguments and the console to print on, and returns the exit code (0 fine, 1
+damage found); a command that cannot go on raises fmt.CommandFailed. On a terminal, verify, gc and
+export show a progress bar (progress.py); piped output is the plain lines only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from checkpointing.cli import fmt
+from checkpointing.cli.progress import Bar, each
+from checkpointing.cli.targets import committed_step, open_target
+from checkpointing.errors import CheckpointError
+from checkpointing.format import naming
+from checkpointing.format.manifest import Manifest
+from checkpointing.format.step_sizes import step_usage
+from checkpointing.plan.retention import tier_states
+from checkpointing.restore.export import export_step
+from checkpointing.storage import Storage
+from checkpointing.tier import catalog, collect, pins
+from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.verify import verify_step
+
+_LS_CAPTION = ("size: the state; new: written by that save; unique: referenced by no other listed step; "
+               "shared: also referenced by another (incremental saves); retired: deleted, but later steps "
+               "still use chunks in its files")
+_LS_SIZES = (("size", "bytes"), ("new", "new"), ("unique", "unique"), ("shared", "shared"))  # (column, row key)
+
+
+def ls(args: argparse.Namespace, console: Console) -> int:
+    """Every step of the tier with its state, sizes and commit time (--remote: and where it is durable)."""
+    storage = open_target(args.dir, args.storage_option)
+    listing = catalog.list_steps(storage)
+    tiers: dict[int, str] = {}
+    title = f"checkpoints in {storage.url}"
+    if args.remote:
+        remote = open_target(args.remote, args.storage_option)
+        tiers = tier_states(listing.committed, catalog.list_steps(remote).committed)
+        title += f" (tiers: + {remote.url})" if tiers else ""
+    rows = _step_rows(storage, listing, tiers)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    console.print(_steps_table(rows, title, with_tiers=bool(tiers)))
+    if not rows:
+        console.print("no checkpoints")
+    return 0
+
+
+def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, str]) -> list[dict[str, Any]]:
+    """One row per step (the JSON of `ls --json`): state, tier, commit time, size, tensors, shared/unique bytes."""
+    rows: list[dict[str, Any]] = []
+    manifests: dict[int, Manifest] = {}
+    for step in sorted(set(listing.committed + listing.incomplete) | set(tiers)):
+        committed = step in listing.committed
+        row: dict[str, Any] = {"step": step, "state": "committed" if committed else "incomplete" if step in listing.incomplete else "remote only"}
+        if tiers:
+            row["tier"] = tiers.get(step, "")
+        if committed:
+            row["committed_at"] = _committed_at(storage, step)
+            try:
+                manifests[step] = catalog.load_manifest(storage, step)
+                row["tensors"] = len(manifests[step].tensors)
+                row["bytes"] = manifests[step].nbytes
+            except CheckpointError as exc:
+                row["state"] = "damaged"
+                row["error"] = str(exc)
+        elif step in listing.incomplete:
+            row["state"] = _incomplete_state(storage.list(naming.step_dir(step)))
+        rows.append(row)
+    for step, u in step_usage(manifests, read_tier_id(storage)).items():
+        row = next(r for r in rows if r["step"] == step)
+        row.update(stored=u.referenced, new=u.new, unique=u.unique, shared=u.shared)
+    return rows
+
+
+def _incomplete_state(names: list[str]) -> str:
+    """A step directory without COMMIT: a save in flight (pinned), retired (only data files left) or incomplete."""
+    if any(n.startswith(pins.PIN_PREFIX) for n in names):
+        return "in flight"
+    if names and not any(n.startswith(("manifest.", pins.PIN_PREFIX)) for n in names):
+        return "retired"
+    return "incomplete"
+
+
+def _committed_at(storage: Storage, step: int) -> str:
+    try:
+        return _dt.datetime.fromtimestamp(storage.mtime(naming.commit_name(step)), _dt.timezone.utc).isoformat(timespec="seconds")
+    except (FileNotFoundError, OSError):
+        return ""
+
+
+def _steps_table(rows: list[dict[str, Any]], title: str, *, with_tiers: bool) -> Table:
+    table = Table(title=title, caption=_LS_CAPTION)
+    columns = ["step", "state"] + (["tier"] if with_tiers else []) + [c for c, _ in _LS_SIZES] + ["tensors", "committed at (UTC)"]
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("step", "size", "new", "unique", "shared", "tensors") else "left")
+    for r in rows:
+        style = {"committed": "green", "damaged": "red", "remote only": "cyan"}.get(r["state"], "yellow")
+        cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([r["tier"]] if with_tiers else [])
+        sizes = [fmt.size(r[k]) if k in r else "" for _, k in _LS_SIZES]
+        table.add_row(*cells, *sizes, str(r.get("tensors", "")), r.get("committed_at", ""))
+    return table
+
+
+def inspect(args: argparse.Namespace, console: Console) -> int:
+    """A step's tensors (key, dtype, shape, size, chunks) and its plain values."""
+    storage = open_target(args.dir, args.storage_option)
+    step = committed_step(storage, args.step)
+    try:
+        manifest = catalog.load_manifest(storage, step)
+    except CheckpointError as exc:
+        raise fmt.CommandFailed(str(exc), code=1) from None
+    if args.json:
+        print(json.dumps({
+            "step": step, "format_version": manifest.format_version, "bytes": manifest.nbytes,
+            "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                         "chunks": sum(len(s.chunks) for s in t.shards)} for t in manifest.tensors],
+            "tree": manifest.tree,
+        }, indent=2))
+        return 0
+    table = Table(title=f"step {step}: {len(manifest.tensors)} tensors, {fmt.size(manifest.nbytes)} (format v{manifest.format_version})")
+    for col in ("key", "dtype", "shape", "size", "chunks"):
+        table.add_column(col, justify="right" if col in ("size", "chunks") else "left")
+    for t in manifest.tensors:
+        table.add_row(t.key, t.dtype, "x".join(map(str, t.shape)) or "scalar", fmt.size(t.nbytes), str(sum(len(s.chunks) for s in t.shards)))
+    console.print(table)
+    values = _values(manifest.tree, ())
+    if values:
+        console.print("[bold]values[/bold]")
+        for key, val in values[: args.max_values]:
+            console.print(f"  {key} = {val}", markup=False)
+        if len(values) > args.max_values:
+            console.print(f"  ... {len(values) - args.max_values} more (--max-values)")
+    return 0
+
+
+def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
+    """The tree's plain values as (key path, short text), in tree order."""
+    out: list[tuple[str, str]] = []
+    key = "/".join(map(str, path))
+    if "dict" in node:
+        for k, child in node["dict"]:
+            out += _values(child, path + (k,))
+    elif "list" in node or "tuple" in node:
+        for i, child in enumerate(node.get("list", node.get("tuple"))):
+            out += _values(child, path + (i,))
+    elif "stateful" in node:
+        out += _values(node["stateful"], path)
+    elif "value" in node:
+        out.append((key, json.dumps(node["value"])[:120]))
+    elif "float" in node:
+        out.append((key, node["float"]))
+    elif "bytes" in node:
+        out.append((key, f"<{len(node['bytes']) * 3 // 4} bytes>"))
+    elif "codec" in node:
+        out.append((key, f"<codec {node['codec']}>"))
+    return out
+
+
+def verify(args: argparse.Namespace, console: Console) -> int:
+    """Check every digest of one step or of every committed step; 1 when any is damaged."""
+    storage = open_target(args.dir, args.storage_option)
+    steps = [committed_step(storage, args.step)] if args.step is not None else catalog.list_steps(storage).committed
+    if not steps:
+        raise fmt.CommandFailed(f"{storage.url}: no committed step to verify")
+    damaged = 0
+    for step in each(console, "verifying steps", steps):
+        report = verify_step(storage, step)
+        if report.ok:
+            others = f"; {report.elsewhere} shard(s) live on other ranks' local tiers" if report.elsewhere else ""
+            console.print(f"[green]ok[/green]      step {step}: {report.tensors} tensors, {fmt.size(report.bytes_checked)} verified{others}")
+        else:
+            damaged += 1
+            console.print(f"[red]DAMAGED[/red] step {step}: {len(report.problems)} problem(s)")
+            for p in report.problems:
+                console.print(f"  - {p}", markup=False)
+    if damaged:
+        console.print(f"[red]{damaged} of {len(steps)} step(s) damaged[/red]")
+        return 1
+    console.print(f"all {len(steps)} step(s) verified")
+    return 0
+
+
+def gc(args: argparse.Namespace, console: Console) -> int:
+    """Remove (--dry-run: list) what no committed step references, saying why each is removed or left."""
+    storage = open_target(args.dir, args.storage_option)
+    options = dict(min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, measure=True)
+    if args.dry_run:
+        result = collect.collect(storage, dry_run=True, **options)
+    else:
+        total = len(collect.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s).garbage)
+        with Bar(console, "removing", total) as bar:
+            result = collect.collect(storage, on_delete=lambda g: bar.advance(), **options)
+    for p in result.problems:
+        console.print(f"[red]skipped[/red] {p}: no data removed (a step that cannot be read may reference any file)", markup=False)
+    for step in result.pinned:
+        console.print(f"left step {step}: a save in flight pins it", highlight=False)
+    for step, n in sorted(result.kept.items()):
+        console.print(f"left {n} file(s) of step {step}: later steps still reference their chunks", highlight=False)
+    verb = "would remove" if args.dry_run else "removed"
+    for g in result.garbage:
+        console.print(f"{verb} {g.path} ({fmt.size(g.nbytes)}): {g.reason}", markup=False, highlight=False)
+    total_size = fmt.size(sum(g.nbytes for g in result.garbage))
+    if not result.garbage:
+        console.print(f"nothing unreferenced in {storage.url}")
+    elif args.dry_run:
+        console.print(f"{len(result.garbage)} unreferenced object(s), {total_size}: run without --dry-run to remove them")
+    else:
+        console.print(f"removed {len(result.garbage)} unreferenced object(s), {total_size}")
+    return 0
+
+
+def export(args: argparse.Namespace, console: Console) -> int:
+    """Write a step's full (unsharded) tensors to one torch.save file."""
+    storage = open_target(args.dir, args.storage_option)
+    step = committed_step(storage, args.step)
+    total = len(catalog.load_manifest(storage, step).tensors)
+    with Bar(console, f"exporting step {step}", total) as bar:
+        nbytes = export_step(storage, step, args.out, progress=bar.advance)
+    console.print(f"step {step}: {total} tensors, {fmt.size(nbytes)} written to {args.out} (torch.load(..., weights_only=True) reads it)")
+    return 0

@@ -1,0 +1,77 @@
+"""What a command works on: the tier at TARGET and the step it names (layer: cli).
+
+TARGET is a checkpoint directory or any tier URL (s3://bucket/prefix, file:///path, memory://...).
+Credentials for a URL come from `--storage-option key=value` (repeatable; dotted keys nest, e.g.
+client_kwargs.region_name=us-east-1) or from the environment the cloud SDK reads. They are never
+printed: a URL shown in an error is redacted. Every failure here raises fmt.CommandFailed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from checkpointing.cli.fmt import CommandFailed
+from checkpointing.errors import CheckpointError
+from checkpointing.storage import LocalStorage, Storage, open_storage
+from checkpointing.storage.redact import redact_url
+from checkpointing.tier import catalog
+
+
+def open_target(target: str, option_pairs: Sequence[str] = ()) -> Storage:
+    """The tier at `target`: a directory that must exist, or a URL opened with the --storage-option values."""
+    options = storage_options(option_pairs)
+    if "://" not in target:
+        root = Path(target)
+        if not root.is_dir():
+            raise CommandFailed(f"{target}: no such checkpoint directory")
+        if options:
+            raise CommandFailed("--storage-option applies to URLs (s3://bucket/prefix), not to a directory")
+        return LocalStorage(root, direct=False)
+    try:
+        storage = open_storage(target, options or None)
+        storage.list("")  # reachable, and the credentials work
+    except (CheckpointError, OSError) as exc:
+        raise CommandFailed(f"cannot open {redact_url(target)}: {exc}") from None
+    return storage
+
+
+def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """['a=1', 'client_kwargs.region_name=x'] -> {'a': 1, 'client_kwargs': {'region_name': 'x'}}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CommandFailed(f"--storage-option {key or pair!r}: expected KEY=VALUE")
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise CommandFailed(f"--storage-option {key}: {part} is both a value and a group")
+        node[leaf] = _value(raw)
+    return out
+
+
+def _value(raw: str) -> Any:
+    """true/false/null, integers and floats as such; anything else (a key, a URL) stays a string."""
+    if raw in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[raw]
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def committed_step(storage: Storage, step: int | None) -> int:
+    """`step` when it is committed on `storage`; with None, the newest committed step."""
+    committed = catalog.list_steps(storage).committed
+    if step is None:
+        if not committed:
+            raise CommandFailed(f"{storage.url}: no committed step")
+        return committed[-1]
+    if step not in committed:
+        raise CommandFailed(f"step {step} is not committed in {storage.url} (committed: {committed})")
+    return step

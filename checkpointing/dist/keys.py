@@ -1,0 +1,131 @@
+"""Every key this package puts in the torch.distributed store, built in one place (layer: dist).
+
+A manager's keys live under its namespace (`new_namespace`, a PrefixStore prefix), so two managers
+of one job, or one job's restarts, never read each other's keys. Under it:
+
+    init/tier/<rank>            the id of the rank's local tier (start-up)
+    barrier/<name>/<rank>       the rank reached barrier <name>
+    left/<rank>                 the rank is done with the store (close)
+    restore/<n>/<rank>          the steps the rank can restore, for the manager's n-th restore
+    resume/<rank>               the interrupted uploads the rank can resume (start-up)
+    save/<seq>/ws/<rank>        what replicated tensors the rank writes in save number seq
+    save/<seq>/part/<rank>      its report (rank_reports.RankPart) or its error
+    save/<seq>/manifest         rank 0's merged manifest
+    save/<seq>/ack/<rank>       a local tier's leader committed there, or its error
+    save/<seq>/status           rank 0's verdict on the save
+    up/<seq>/<rank>             the rank's upload number seq is up, or its error
+    up/<seq>/status             rank 0's verdict on that upload (remote commit)
+    auto/<n>                    rank 0's save interval for period n (interval="auto")
+    preempt/stop                the step the ranks agreed to stop after (preemption)
+    preempt/done/<rank>         the rank finished its emergency save
+    preempt/left/<rank>         the rank is leaving
+
+Every rank of a job runs the same code, yet these formats stay fixed: they are what a reader of a
+store dump sees. A key that names a rank ends with it (`rank_of`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+_NAMESPACES: dict[str, int] = {}
+_NAMESPACE_LOCK = threading.Lock()
+
+
+def new_namespace(group_name: str) -> str:
+    """A store prefix per manager: managers are created in the same order on every rank."""
+    with _NAMESPACE_LOCK:
+        n = _NAMESPACES.get(group_name, 0)
+        _NAMESPACES[group_name] = n + 1
+    return f"checkpointing/{group_name}/{n}/"
+
+
+def rank_of(key: str) -> int:
+    """The rank a per-rank key names (its last part)."""
+    return int(key.rsplit("/", 1)[1])
+
+
+# ---------------------------------------------------------------- start-up, collectives, close
+
+
+def init_tier(rank: int) -> str:
+    return f"init/tier/{rank}"
+
+
+def barrier(name: str, rank: int) -> str:
+    return f"barrier/{name}/{rank}"
+
+
+def left(rank: int) -> str:
+    return f"left/{rank}"
+
+
+def restore(n: int, rank: int) -> str:
+    return f"restore/{n}/{rank}"
+
+
+def resume(rank: int) -> str:
+    return f"resume/{rank}"
+
+
+# ---------------------------------------------------------------- one save (StoreCoordinator)
+
+
+def save_written(seq: int, rank: int) -> str:
+    return f"save/{seq}/ws/{rank}"
+
+
+def save_part(seq: int, rank: int) -> str:
+    return f"save/{seq}/part/{rank}"
+
+
+def save_ack(seq: int, rank: int) -> str:
+    return f"save/{seq}/ack/{rank}"
+
+
+def save_manifest(seq: int) -> str:
+    return f"save/{seq}/manifest"
+
+
+def save_status(seq: int) -> str:
+    return f"save/{seq}/status"
+
+
+def save_all(seq: int, world_size: int) -> list[str]:
+    """Every key of save number `seq` (to delete them once every rank is past it)."""
+    per_rank = [fn(seq, r) for fn in (save_written, save_part, save_ack) for r in range(world_size)]
+    return [save_manifest(seq), save_status(seq)] + per_rank
+
+
+# ---------------------------------------------------------------- one upload (StoreTierCommitter)
+
+
+def upload(seq: int, rank: int) -> str:
+    return f"up/{seq}/{rank}"
+
+
+def upload_status(seq: int) -> str:
+    return f"up/{seq}/status"
+
+
+def upload_all(seq: int, world_size: int) -> list[str]:
+    """Every key of upload number `seq`."""
+    return [upload_status(seq)] + [upload(seq, r) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------- the training loop
+
+
+def auto_interval(n: int) -> str:
+    return f"auto/{n}"
+
+
+PREEMPT_STOP = "preempt/stop"
+
+
+def preempt_done(rank: int) -> str:
+    return f"preempt/done/{rank}"
+
+
+def preempt_left(rank: int) -> str:
+    return f"preempt/left/{rank}"

@@ -1,0 +1,84 @@
+"""Talking to the torch.distributed store: a connection of our own, polling with a deadline, and its
+errors translated once (layer: dist).
+
+Every wait on other ranks in this package polls the store here (`poll`, `wait_set`, `wait_keys`):
+with a deadline, backing off from 1 ms to 10 ms between round trips. Nothing here runs a collective
+on a process group, so a background thread may wait without ever blocking training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+from typing import Any, Callable, TypeVar
+
+from checkpointing.dist.keys import rank_of
+from checkpointing.dist.types import Store
+from checkpointing.errors import CheckpointError, CoordinationLost, CoordinationTimeout
+
+_POLL_S = (0.001, 0.01)  # first and largest interval between polls of the store
+
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def poll(ready: Callable[[], _T], deadline: float) -> _T:
+    """Call `ready` until it answers something true, and return that; past `deadline` (monotonic),
+    return its last false answer instead."""
+    delay = _POLL_S[0]
+    while not (found := ready()):
+        if time.monotonic() >= deadline:
+            return found
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_S[1])
+    return found
+
+
+def wait_set(store: Store, keys: list[str], deadline: float) -> bool:
+    """Poll until every key is set (True), or until `deadline` passed (False)."""
+    return not keys or poll(lambda: store.check(keys), deadline)
+
+
+def wait_keys(store: Store, keys: list[str], deadline: float, what: str, *, timeout_s: float,
+              keys_rank: Callable[[str], int] = rank_of) -> None:
+    """Poll until every key is set; past `deadline`, CoordinationTimeout naming the ranks that did not answer."""
+    if wait_set(store, keys, deadline):
+        return
+    missing = sorted(keys_rank(k) for k in keys if not store.check([k]))
+    raise CoordinationTimeout(
+        f"{what}: rank(s) {', '.join(map(str, missing))} did not answer in time (timeout_s={timeout_s:g}; "
+        "dead, hung, or much slower: raise timeout_s if they are only slow)",
+        missing,
+    )
+
+
+def store_errors(fn: _F) -> _F:
+    """For methods of an object with a `rank`: store failures (a DistError from the C++ client)
+    become one clear CheckpointError."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except CheckpointError:
+            raise
+        except RuntimeError as exc:  # torch.distributed.DistError and its subclasses
+            raise CoordinationLost(
+                f"rank {self.rank} lost the torch.distributed store ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                "its host (rank 0 with a tcp:// init method, or the torchrun agent) has probably exited"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def connect(namespace: str, timeout_s: float) -> Store:
+    """A store connection of our own, in the job's key space (which is fresh for each launch)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    clone = getattr(store, "clone", None)  # a separate connection, safe to use from our thread
+    if clone is not None:
+        store = clone()
+    store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 1)))
+    return dist.PrefixStore(namespace, store)

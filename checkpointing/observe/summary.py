@@ -1,0 +1,209 @@
+"""What the saves of a run cost, summed up from their metrics records (layer: observe).
+
+Input is a list of metrics records: dicts as ``SaveStats.as_dict()`` writes them to
+``DIR/metrics.jsonl`` (:func:`load_records`, the one function here that reads a file), one per save,
+written once the save's step cost is final. Optional fields that newer writers add (``upload_s``,
+``upload_bytes_per_s``, ``tier``, ``step_stall_s``, ``slowdown_s``, ``cost_s``, ``overhead_pct``,
+``step_time_s``, ``time_to_first_durable_s``; see :mod:`checkpointing.observe.steptime`) may be
+missing; unknown fields are ignored and missing or non-numeric ones read as absent
+(:func:`number`).
+
+Outputs: a :class:`Summary` with percentiles and, given an MTBF, the Young/Daly interval
+(:func:`summarize`), and the JSON document ``checkpointing report --json`` prints (:func:`to_json`).
+Times are in seconds, sizes in bytes, throughputs in bytes per second. The tables and the plot
+that show them are checkpointing/cli/report.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from checkpointing.errors import CheckpointConfigError
+from checkpointing.format.naming import METRICS_NAME
+from checkpointing.observe.metrics import read_jsonl
+from checkpointing.plan import advice
+
+__all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "load_records", "number", "recorded", "succeeded",
+           "summarize", "to_json"]
+
+Record = Mapping[str, Any]  # one metrics record: a JSON object, as SaveStats.as_dict() writes it
+
+JSON_SCHEMA = "checkpointing.report/1"
+# every save row of to_json() has exactly these keys (null when the record lacks the field)
+SAVE_KEYS = ("step", "rank", "world_size", "ok", "error", "time", "tier", "wait_prev_s", "stall_s", "guard_wait_s", "snapshot_s",
+             "write_s", "commit_s", "upload_s", "total_s", "bytes_total", "bytes_written", "bytes_reused",
+             "write_bytes_per_s", "upload_bytes_per_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s",
+             "time_to_first_durable_s")
+
+
+def load_records(path_or_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Metrics records from a checkpoint directory (its ``metrics.jsonl``) or a JSON-lines file.
+
+    Local paths and ``file://`` URLs only for now (the one place to add remote tiers). Raises
+    :class:`CheckpointConfigError` when the path does not exist or names another scheme; a
+    directory without metrics gives ``[]``. Lines that are not JSON objects are skipped.
+    """
+    text = os.fspath(path_or_dir)
+    if "://" in text:
+        scheme, rest = text.split("://", 1)
+        if scheme != "file":
+            raise CheckpointConfigError(f"{text}: reading metrics from {scheme}:// is not supported yet; "
+                                        f"copy {METRICS_NAME} to a local directory and report on that")
+        text = rest
+    path = Path(text)
+    if path.is_dir():
+        path = path / METRICS_NAME
+    elif not path.exists():
+        raise CheckpointConfigError(f"{text}: no such checkpoint directory or metrics file")
+    return [r for r in read_jsonl(path) if isinstance(r, dict)]
+
+
+def number(rec: Record, key: str) -> float | None:
+    """The record's finite number at `key`; None when absent, not a number (or a bool), NaN or infinite."""
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def succeeded(rec: Record) -> bool:
+    """The record's ``ok``; for records without one, whether it has no ``error``."""
+    ok = rec.get("ok")
+    return ok if isinstance(ok, bool) else rec.get("error") is None
+
+
+def _scalar(v: Any) -> Any:
+    """A JSON scalar as is; anything else (lists, objects, NaN, infinities) as None."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v if v is None or isinstance(v, (bool, int, float, str)) else None
+
+
+def recorded(records: Sequence[Record], key: str) -> bool:
+    """Some record has a number at `key` (the report shows a column for it)."""
+    return any(number(r, key) is not None for r in records)
+
+
+def _save_cost(rec: Record) -> float | None:
+    """stall (without waiting for the previous save: a symptom of the current interval, not a cost
+    of a save at the advised one) + slowdown when recorded."""
+    stall = number(rec, "stall_s")
+    if stall is None and number(rec, "step_stall_s") is not None:
+        stall = max(0.0, number(rec, "step_stall_s") - (number(rec, "wait_prev_s") or 0.0))  # type: ignore[operator]
+    return None if stall is None else stall + (number(rec, "slowdown_s") or 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """Percentiles (linear interpolation between order statistics), max and mean of a sample."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    mean: float
+
+    @staticmethod
+    def of(values: Iterable[float]) -> "Spread | None":
+        xs = sorted(values)
+        if not xs:
+            return None
+
+        def pct(p: float) -> float:
+            pos = p / 100 * (len(xs) - 1)
+            lo = math.floor(pos)
+            hi = min(lo + 1, len(xs) - 1)
+            return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+        return Spread(pct(50), pct(90), pct(99), xs[-1], statistics.fmean(xs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Over successful saves (failed ones are only counted). Spreads are None without data.
+    Records of several ranks (``rank``/``world_size`` fields) each count as one sample.
+
+    stall_s, total_s: from SaveStats. step_stall_s, slowdown_s, overhead_pct: from step accounting,
+    when recorded. cost_s: per save stall_s + slowdown_s (the C of checkpointing.advice).
+    write/upload_bytes_per_s: mean of the per-save throughputs > 0. bytes_written, bytes_reused:
+    sums. step_time_s: median recorded step time. time_to_first_durable_s: of the newest run that
+    recorded one (manager created -> first save durable). advice: present when an MTBF was given.
+    """
+
+    saves: int
+    ok: int
+    failed: int
+    stall_s: Spread | None
+    total_s: Spread | None
+    cost_s: Spread | None
+    step_stall_s: Spread | None
+    slowdown_s: Spread | None
+    overhead_pct: Spread | None
+    write_bytes_per_s: float | None
+    upload_bytes_per_s: float | None
+    bytes_written: int
+    bytes_reused: int
+    step_time_s: float | None
+    time_to_first_durable_s: float | None
+    advice: advice.IntervalAdvice | None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["advice"] = self.advice.as_dict() if self.advice is not None else None
+        return d
+
+
+def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s: float = 0.0) -> Summary:
+    """Summary of ``records``; with ``mtbf_s`` (seconds) also the recommended interval for a cost
+    of the median per-save ``stall_s + slowdown_s``. Raises CheckpointConfigError for a bad MTBF."""
+    good = [r for r in records if succeeded(r)]
+
+    def col(key: str) -> list[float]:
+        return [v for v in (number(r, key) for r in good) if v is not None]
+
+    def mean_pos(key: str) -> float | None:
+        xs = [v for v in col(key) if v > 0]
+        return statistics.fmean(xs) if xs else None
+
+    costs = [c for c in (_save_cost(r) for r in good) if c is not None]
+    step_times = col("step_time_s")
+    step_time = statistics.median(step_times) if step_times else None
+    ttfd = [v for v in (number(r, "time_to_first_durable_s") for r in records) if v is not None]
+    rec_advice = None
+    if mtbf_s is not None:
+        if not costs:
+            raise CheckpointConfigError("no successful save with a recorded stall: cannot estimate the checkpoint cost")
+        rec_advice = advice.advise(statistics.median(costs), mtbf_s, step_time_s=step_time, restart_s=restart_s)
+    return Summary(
+        saves=len(records), ok=len(good), failed=len(records) - len(good),
+        stall_s=Spread.of(col("stall_s")), total_s=Spread.of(col("total_s")), cost_s=Spread.of(costs),
+        step_stall_s=Spread.of(col("step_stall_s")), slowdown_s=Spread.of(col("slowdown_s")),
+        overhead_pct=Spread.of(col("overhead_pct")),
+        write_bytes_per_s=mean_pos("write_bytes_per_s"), upload_bytes_per_s=mean_pos("upload_bytes_per_s"),
+        bytes_written=int(sum(col("bytes_written"))), bytes_reused=int(sum(col("bytes_reused"))),
+        step_time_s=step_time, time_to_first_durable_s=ttfd[-1] if ttfd else None, advice=rec_advice,
+    )
+
+
+def to_json(records: Sequence[Record], mtbf_s: float | None = None, *, source: str | None = None,
+            plot_path: str | None = None) -> dict[str, Any]:
+    """The report as a JSON-ready dict with stable keys.
+
+    ``{"schema": "checkpointing.report/1", "source": str|null, "plot": str|null,
+    "saves": [{k: value|null for k in SAVE_KEYS}], "summary": Summary.as_dict() without "advice",
+    "advice": IntervalAdvice.as_dict()|null}``. Spreads are ``{"p50","p90","p99","max","mean"}``
+    or null; times in seconds, sizes in bytes, throughputs in bytes/s, ``overhead_pct`` in percent.
+    """
+    summary = summarize(records, mtbf_s).as_dict()
+    adv = summary.pop("advice")
+    saves = []
+    for r in records:
+        row: dict[str, Any] = {k: (number(r, k) if k.endswith(("_s", "_pct")) else _scalar(r.get(k))) for k in SAVE_KEYS}
+        row["ok"] = succeeded(r)
+        saves.append(row)
+    return {"schema": JSON_SCHEMA, "source": source, "plot": plot_path, "saves": saves, "summary": summary, "advice": adv}

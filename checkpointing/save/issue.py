@@ -1,0 +1,101 @@
+"""The training thread's side of save(): wait for the previous save, flatten and plan, hand the job to the worker (orchestration).
+
+save() returns once the training loop may go on: after the eager chunks are copied (and, for CUDA
+state, once the compute stream is ordered after those copies). The rest of the snapshot overlaps
+the next forward/backward; the guard (InFlight.guard, the optimizer step pre-hook) blocks the next
+optimizer.step() until the snapshot no longer reads live parameters or optimizer state.
+
+A save that fails inside save() with several ranks still goes through the coordinator (an empty
+job carrying the error), so the other ranks, which are saving the same step, hear why.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import torch
+
+from checkpointing.errors import CheckpointError
+from checkpointing.format import naming
+from checkpointing.observe.accounting import SaveAccounting
+from checkpointing.options import ManagerOptions
+from checkpointing.save.inflight import InFlight
+from checkpointing.save.job import SaveInputs, SaveJob
+from checkpointing.save.planning import PackPlanner
+from checkpointing.save.uploader import Uploader
+from checkpointing.save.worker import SaveWorker
+from checkpointing.state.tree import FlatState, flatten_state
+from checkpointing.storage import LocalStorage
+from checkpointing.tier import catalog
+
+
+class SaveIssuer:
+    """Issues the saves of one manager, in order; each gets the next `seq` (the same on every rank)."""
+
+    def __init__(self, options: ManagerOptions, storage: LocalStorage, *, planner: PackPlanner, inflight: InFlight,
+                 worker: SaveWorker, uploader: Uploader | None, acct: SaveAccounting, world_size: int) -> None:
+        self._options, self._storage = options, storage
+        self._planner, self._inflight, self._worker, self._uploader = planner, inflight, worker, uploader
+        self._acct, self._world_size = acct, world_size
+        self._seq = 0
+
+    @property
+    def current(self) -> SaveJob | None:
+        """The newest save issued (it may be done)."""
+        return self._inflight.current
+
+    def committed_steps(self) -> set[int]:
+        """Committed steps without asking the remote tier (save() must not wait on the network)."""
+        steps = set(catalog.list_steps(self._storage).committed)
+        if self._uploader is not None:
+            steps |= self._uploader.remote_steps()
+        return steps
+
+    def issue(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None) -> SaveJob:
+        """Snapshot `state` as `step` (CheckpointManager.save); returns once the training loop may go on."""
+        t0 = time.perf_counter()
+        wall = time.time()
+        naming.check_step(step)
+        wait_prev_s = time.perf_counter() - t0 if self._inflight.wait_previous() else 0.0
+        seq = self._seq
+        self._seq += 1
+        try:
+            flat = self._flatten(step, state, eager)
+            plan, regions = self._planner.plan_for(flat)
+        except BaseException as exc:
+            if self._world_size > 1:  # the other ranks are saving this step: tell them it failed here
+                self._submit(SaveJob.failed(step, seq, exc, t_call=t0, wall_time=wall, wait_prev_s=wait_prev_s,
+                                            with_upload=self._uploader is not None))
+            raise
+        start_event = None
+        if any(leaf.tensor.is_cuda for leaf in flat.leaves):
+            start_event = torch.cuda.Event()
+            start_event.record(torch.cuda.current_stream())
+        options = self._options
+        inputs = SaveInputs(step, seq, flat, plan, regions, t0, wall, wait_prev_s, base=self._worker.take_base(), start_event=start_event,
+                            watch_writes=options.incremental and options.change_detection == "auto")
+        job = SaveJob(inputs, with_upload=self._uploader is not None)
+        self._inflight.add(job)
+        self._acct.issued(step, t0)
+        self._worker.submit(job)
+        staging = job.staging
+        staging.eager_staged.wait()
+        if staging.eager_event is not None:
+            torch.cuda.current_stream().wait_event(staging.eager_event)
+        t_end = time.perf_counter()
+        staging.call_s = t_end - t0 - wait_prev_s
+        self._acct.returned(step, t_end)
+        return job
+
+    def _flatten(self, step: int, state: Mapping[str, Any], eager: bool | None) -> FlatState:
+        if step in self.committed_steps():
+            raise CheckpointError(
+                f"step {step} is already committed in {self._storage.root}: checkpoints are immutable; "
+                "save under a new step number (or delete that step first)"
+            )
+        return flatten_state(state, codecs=self._options.codecs, eager=eager if eager is not None else self._options.snapshot == "eager")
+
+    def _submit(self, job: SaveJob) -> None:
+        self._inflight.add(job)
+        self._worker.submit(job)
