@@ -40,7 +40,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def test_step_accounting_is_the_same_in_stats_metrics_callback_and_report(tmp_path, one_torch_thread, capsys):
+def test_step_accounting_is_the_same_in_stats_metrics_callback_and_report(tmp_path, one_torch_thread, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # the report's content is checked here, not how it fits 80 columns
     model, opt = mlp()
     state = {"model": model, "optim": opt, "step": 0}
     records = []
@@ -59,7 +60,8 @@ def test_step_accounting_is_the_same_in_stats_metrics_callback_and_report(tmp_pa
         # the stall inside the step is what save() and the guard blocked, including waiting for the previous save
         assert s.step_stall_s == pytest.approx(s.wait_prev_s + s.stall_s, abs=1e-9)
         assert s.cost_s == pytest.approx(s.step_stall_s + s.slowdown_s)
-        assert s.slowdown_s >= 0 and 0 < s.overhead_pct < 100 and s.step_time_s > 0
+        # (overhead_pct is not bounded by 100: on a busy machine a save can cost more than the steps between saves)
+        assert s.slowdown_s >= 0 and s.overhead_pct > 0 and s.step_time_s > 0
     assert stats[0].time_to_first_durable_s > 0 and all(s.time_to_first_durable_s is None for s in stats[1:])
     # one complete line per save in metrics.jsonl, and the same dicts, in order, to the callback
     lines = [json.loads(x) for x in (ck / "metrics.jsonl").read_text().splitlines()]
@@ -199,9 +201,12 @@ def test_interval_auto_saves_at_once_then_at_dalys_interval(tmp_path):
     stats, k = mgr.stats(), mgr.interval_steps  # after close(): the last save's cost is in too
     assert saves[0] == 1 and intervals[0] is None  # the first opportunity, before any measurement
     assert intervals[1] is not None  # the second waits for the first's measured cost
-    assert 6 <= len(saves) <= 60, saves
+    # Daly's interval is at most M = 0.2 s and a step takes at least its 10 ms sleep, so the interval
+    # in use is 1..20 steps however busy the machine is (a busy machine makes steps longer: more saves)
+    assert all(1 <= every <= 20 for every in intervals[1:]), intervals
     for prev, step, every in zip(saves[1:], saves[2:], intervals[2:]):
         assert step - prev >= 1 and every is not None
+    assert len(saves) >= 4, saves  # the count cannot collapse: gaps stay near an interval of at most 20 steps
     # the interval in use is Daly's for the median cost of the measured saves (as the report computes it)
     costs = [s.step_stall_s - s.wait_prev_s + s.slowdown_s for s in stats if s.slowdown_s is not None][-15:]
     expected = advice.advise(statistics.median(costs), mtbf, step_time_s=stats[-1].step_time_s).every_steps
