@@ -8,6 +8,8 @@ kernel cannot report written pages) to show what the kernel's write watching sav
     python bench/bench_incremental.py              # full run (~0.7 GB fine-tuning and dense states; a few minutes)
     python bench/bench_incremental.py --quick      # smoke test (~50 MB states, under a minute)
     python bench/bench_incremental.py --remote     # also: fine-tuning with a remote tier (embedded moto S3)
+    python bench/bench_incremental.py --only finetune --reverify-cost --rounds 2
+                                                   # what re-verifying borrowed chunks costs (reverify_every=10 vs None)
 
 Scenarios (the modes run side by side: one training loop, one manager per mode, each in its own
 fresh directory, taking turns to save, so every mode sees the same states, disk and machine load
@@ -394,6 +396,7 @@ MODES = {  # CheckpointManager options per mode
     "incremental": dict(incremental=True),  # the default: kernel write watching where available, else compare
     "compare": dict(incremental=True, change_detection="compare"),  # compare every byte with the previous save's
     "full": dict(incremental=False),
+    "unverified": dict(incremental=True, reverify_every=None),  # --reverify-cost: no re-verification of borrowed chunks
 }
 
 
@@ -401,7 +404,7 @@ def _per_save_stats(res: dict, stats: list) -> None:
     res["saves"] = [s.as_dict() for s in stats]
     for k in ("total_s", "stall_s", "guard_wait_s", "wait_prev_s", "snapshot_s", "write_s", "commit_s",
               "bytes_written", "bytes_reused", "chunks_reused", "upload_s", "bytes_uploaded", "bytes_upload_reused",
-              "bytes_unwritten"):
+              "bytes_unwritten", "bytes_reverified", "chunks_reverified", "chunks_damaged"):
         vals = [s.get(k) for s in res["saves"] if s.get(k) is not None]
         if vals:
             res[k + "_median"] = C.median(vals)
@@ -566,7 +569,7 @@ def summarize(phases: dict) -> dict:
         m: dict = {"n_saves": len(saves), "rounds": len(phs)}
         for k in ("total_s", "stall_s", "guard_wait_s", "wait_prev_s", "snapshot_s", "write_s", "commit_s",
                   "bytes_written", "bytes_reused", "chunks_reused", "upload_s", "bytes_uploaded", "bytes_upload_reused",
-                  "bytes_unwritten"):
+                  "bytes_unwritten", "bytes_reverified", "chunks_reverified", "chunks_damaged"):
             vals = [s.get(k) for s in saves if s.get(k) is not None]
             if vals:
                 m[k] = C.median(vals)
@@ -599,6 +602,8 @@ def summarize(phases: dict) -> dict:
     out["ratios"] = ratios("incremental")
     if "compare" in out:
         out["ratios_compare"] = ratios("compare")
+    if "unverified" in out:
+        out["ratios_unverified"] = ratios("unverified")
     return out
 
 
@@ -615,10 +620,11 @@ def scenario_finetune(P, work, remote=None, gb=None) -> dict:
     del w
     log(f"fine-tuning{' (remote tier)' if remote else ''}: {info['shape']}, {info['bytes'] / GB:.3f} GB, "
         f"changed share {info['changed_share']:.4f}")
+    modes = ("incremental", "unverified", "full") if P.reverify_cost else ("incremental", "compare", "full")
     res = run_pair(make, P, work, "ft-remote" if remote else "ft", P.chunk_bytes, remote=remote, verify=remote is None,
-                   modes=("incremental", "full") if remote else ("incremental", "compare", "full"))
+                   modes=("incremental", "full") if remote else modes)
     res.update(info)
-    if remote is None:
+    if remote is None and not P.reverify_cost:
         _waited_and_targets(res, make, P, work, "ft", bytes_limit=0.12, time_limit=0.2)
     return res
 
@@ -745,6 +751,23 @@ def _waited_rows(res: dict) -> list:
     return L + [""]
 
 
+def _reverify_rows(res: dict) -> list:
+    """--reverify-cost: incremental (re-verifying borrowed chunks) against 'unverified' (reverify_every=None)."""
+    on, off = res.get("incremental"), res.get("unverified")
+    if not on or not off:
+        return []
+    L = ["Re-verification of borrowed chunks (default: each at least once in 10 saves, 200 MB/s) against none:\n",
+         "| | re-verifying (default) | unverified | ratio |", "|---|---:|---:|---:|"]
+    for k, label, nd in (("total_s", "save -> durable (median, s)", 3), ("wait_prev_s", "wait_prev (median, s)", 4),
+                         ("stall_s", "stall (median, s)", 4), ("step_median_s", "step (median, s)", 4),
+                         ("train_s", "training thread (s)", 3)):
+        a, b = on.get(k), off.get(k)
+        L.append(f"| {label} | {f3(a, nd)} | {f3(b, nd)} | {f3(a / b if a is not None and b else None)} |")
+    L.append(f"| bytes re-verified / save (median) | {mb(on.get('bytes_reverified'))} MB | {mb(off.get('bytes_reverified'))} MB | |")
+    L.append(f"| chunks re-verified / save (median) | {on.get('chunks_reverified', 0):.0f} | {off.get('chunks_reverified', 0):.0f} | |")
+    return L + [""]
+
+
 def _with_interval(r: dict, k: str) -> str:
     if r.get(k + "_lo") is None:
         return f3(r.get(k))
@@ -821,7 +844,7 @@ def markdown(res: dict) -> str:
                  f"Linear({sh['head_hidden']}, {sh['classes']}) trained with AdamW (batch {sh['batch']}); state "
                  f"{ft['bytes'] / GB:.3f} GB ({ft['bytes']} B), of which head params + AdamW state "
                  f"{ft['changed_bytes']} B = **{100 * ft['changed_share']:.2f}%**. chunk_bytes {size_name(P['chunk_bytes'])}.\n")
-        L += _mode_rows(ft) + [""] + _ratio_rows(ft) + [""] + _waited_rows(ft)
+        L += _mode_rows(ft) + [""] + _ratio_rows(ft) + [""] + _waited_rows(ft) + _reverify_rows(ft)
         if fl:
             inc, full = ft["incremental"], ft["full"]
             share = ft["changed_share"]
@@ -948,6 +971,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk-sizes", default="256K,1M,4M,8M,16M", help="embedding sweep of chunk_bytes")
     p.add_argument("--chunk-bytes", default=None, help="chunk_bytes of the other scenarios (default: the library's)")
     p.add_argument("--every", type=int, default=5, help="save every k training steps")
+    p.add_argument("--reverify-cost", action="store_true",
+                   help="fine-tuning: run incremental (re-verifying borrowed chunks, the default) beside 'unverified' "
+                        "(reverify_every=None) instead of 'compare', and skip the waited runs")
     p.add_argument("--saves", type=int, default=None, help="timed saves per mode and round (default 6; --quick 3)")
     p.add_argument("--block", type=int, default=3, help="saves of one mode in a row; the first of each is not timed")
     p.add_argument("--rounds", type=int, default=None, help="rounds, rotating the modes' turn order (default 4; --quick 2)")

@@ -127,3 +127,7 @@ class MergeError(CheckpointError):
 
 class CommitConflictError(CheckpointError):
     """Another writer committed the same step on a tier first (its COMMIT names another manifest)."""
+
+
+class DirectoryLockedError(CheckpointError):
+    """Another process holds the writer lock of a local checkpoint directory (tier/lock.py)."""

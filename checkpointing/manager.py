@@ -42,6 +42,7 @@ from checkpointing.dist.coordinator import LocalCoordinator
 from checkpointing.dist.keys import new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
 from checkpointing.dist.types import Coordinator
+from checkpointing.dist.writer import start_writing
 from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format import naming
 from checkpointing.observe.accounting import SaveAccounting
@@ -89,7 +90,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | None = 2,
         keep_remote: int | None = None,
-        incremental: bool = True,
+        incremental: bool = True, reverify_every: int | None = 10, reverify_bytes_per_s: float = 200e6,
         change_detection: ChangeDetection = "auto",
         process_group: Any = None,
         snapshot: SnapshotMode = "async",
@@ -111,7 +112,8 @@ class CheckpointManager:
             raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a directory path")
         self.options = ManagerOptions(
             keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes,
-            chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync,
+            chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync, reverify_every=reverify_every,
+            reverify_bytes_per_s=reverify_bytes_per_s,
             incremental=incremental, change_detection=change_detection, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
             timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes,
             upload_bytes_per_s=upload_bytes_per_s, interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics,
@@ -130,9 +132,8 @@ class CheckpointManager:
         self.rank = self._coord.rank
         self.world_size = self._coord.world_size
         self._closed = False
-        if self._coord.leader:  # one rank per local tier tidies it, before anyone writes there
-            self._remove_incomplete()
-        self._coord.barrier("started")
+        # the leader rank of each local tier takes its writer lock and tidies it, before anyone writes there
+        self._lock = start_writing(self._coord, self.directory, tidy=self._remove_incomplete)
         self._compose(group)
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
         _LIVE.add(self)
@@ -154,7 +155,8 @@ class CheckpointManager:
                                                      on_finish=AfterUpload(self._records, retention), pending=pending)
             self._inflight.resumed(resumed)
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
-                                  records=self._records, retention=retention, uploader=self._uploader)
+                                  records=self._records, retention=retention, uploader=self._uploader,
+                                  reverify_every=options.reverify_every, reverify_bytes_per_s=options.reverify_bytes_per_s)
         planner = PackPlanner(coord, group, chunk_bytes=options.chunk_bytes, budget=options.staging_budget_bytes)
         self._saves = SaveIssuer(options, self.storage, planner=planner, inflight=self._inflight, worker=self._worker,
                                  uploader=self._uploader, acct=self._acct, world_size=self.world_size)
@@ -199,9 +201,10 @@ class CheckpointManager:
             return None
         plan, sources = plans[chosen]
         t0 = time.perf_counter()
+        self._worker.drop_base()  # a restore that fails (damage found) leaves no base for the next save
         execute(plan, state, sources)
-        if self.options.incremental:  # the next save writes only what changed since this step
-            self._worker.use_restored(chosen)
+        if self.options.incremental:  # the next save writes only what changed since this step (all, if damaged here)
+            self._worker.use_restored(chosen, clean=not sources.fallbacks)
         origin = str(self.directory) if sources.local is not None else ""
         if sources.remote_bytes:
             origin += f"{' and ' if origin else ''}{self._remote_url()} ({sources.remote_bytes / 1e6:.1f} MB from the remote tier)"
@@ -262,6 +265,7 @@ class CheckpointManager:
             self._pool.release()
             self._acct.close()
             self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
+            self._lock.release()  # after the last write: another process may take the directory now
 
     # ------------------------------------------------------------------ the training loop's side (training/loop.py)
 
@@ -342,7 +346,7 @@ class CheckpointManager:
         self._loop.optimizer_step(optimizer)
 
     def _remove_incomplete(self) -> None:
-        """Saves that did not commit (this is the directory's one writer, so every pin is a crashed save's)."""
+        """Saves that did not commit (under the writer lock: every pin is a crashed save's)."""
         result = collect.collect(self.storage, pin_ttl_s=0)
         for step in sorted({naming.parse_step_dir(g.path.split("/")[0]) for g in result.garbage if g.reason.startswith("incomplete")}):
             log.info("checkpointing: removed incomplete step %d (a save that did not commit) from %s", step, self.directory)

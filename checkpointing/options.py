@@ -7,6 +7,8 @@ import math
 import signal
 from typing import Any, Callable, Literal, Mapping
 
+from checkpointing.plan.scrub import DEFAULT_BYTES_PER_S as DEFAULT_REVERIFY_BYTES_PER_S
+from checkpointing.plan.scrub import DEFAULT_EVERY as DEFAULT_REVERIFY_EVERY
 from checkpointing.state.codecs import Codec
 from checkpointing.errors import CheckpointConfigError
 
@@ -43,6 +45,10 @@ class ManagerOptions:
         written since the previous save are not even read, the rest are compared byte for byte;
         elsewhere everything is compared. "compare": always compare every byte (for memory that a
         device writes by DMA into pages pinned outside PyTorch, e.g. RDMA-registered CPU tensors).
+    reverify_every: with incremental saves, every chunk a save borrows from an earlier file is
+        read back and digested at least once in any `reverify_every` consecutive saves that borrow
+        it, on the background thread after each commit (a damaged one is written anew by the next
+        save); None turns this off. reverify_bytes_per_s: the pace of those reads.
     direct_io: use O_DIRECT for pack writes where the filesystem supports it.
     fsync: make every write durable before the commit marker (turn off only for tests).
     timeout_s: longest wait for another rank (its report, rank 0's verdict, a restore agreement)
@@ -65,6 +71,8 @@ class ManagerOptions:
     fsync: bool = True
     incremental: bool = True
     change_detection: ChangeDetection = "auto"
+    reverify_every: int | None = DEFAULT_REVERIFY_EVERY
+    reverify_bytes_per_s: float = DEFAULT_REVERIFY_BYTES_PER_S
     remote: str | None = None
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     codecs: tuple[Codec, ...] = ()
@@ -93,6 +101,7 @@ class ManagerOptions:
                 f"change_detection={self.change_detection!r} is invalid: use 'auto' (skip memory the kernel saw no "
                 "write to, compare the rest) or 'compare' (compare every byte)"
             )
+        self._check_reverify()
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < MIN_CHUNK_BYTES:
             raise CheckpointConfigError(
                 f"chunk_bytes={self.chunk_bytes!r} is invalid: pass an int >= {MIN_CHUNK_BYTES}"
@@ -114,6 +123,16 @@ class ManagerOptions:
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
+
+    def _check_reverify(self) -> None:
+        every, rate = self.reverify_every, self.reverify_bytes_per_s
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise CheckpointConfigError(
+                f"reverify_every={every!r} is invalid: pass a whole number of saves >= 1 (each borrowed chunk is read back "
+                "at least once in that many saves), or None to turn re-verification off"
+            )
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+            raise CheckpointConfigError(f"reverify_bytes_per_s={rate!r} is invalid: pass bytes per second > 0 (default 200e6)")
 
     def _check_observability(self) -> None:
         iv = self.interval

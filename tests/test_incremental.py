@@ -605,8 +605,10 @@ GC_CHILD = textwrap.dedent(
     while not os.path.exists(stop):
         try:
             if rounds % 10 == 9:
+                # the CLI tidies only under the writer lock: while the training job's manager holds it,
+                # `checkpointing gc` refuses (exit 2, naming the writer); the collection below goes on anyway
                 code = main(["gc", d, "--min-age-s", "0"])
-                assert code == 0, f"checkpointing gc exited {code}"
+                assert code in (0, 2), f"checkpointing gc exited {code}"
             else:
                 collect.collect(storage, min_age_s=0)
             collect.apply_retention(storage, 2)
@@ -622,7 +624,8 @@ GC_CHILD = textwrap.dedent(
 
 def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
     """A training loop saves every step (keep_local=2: the manager retires steps too) while another
-    process collects and retires (keep 2) in a tight loop, `checkpointing gc` every tenth round."""
+    process collects and retires (keep 2) in a tight loop (the reference-safe protocol of tier/collect.py,
+    called directly), trying `checkpointing gc` every tenth round (refused while the writer lock is held)."""
     ck = tmp_path / "ck"
     ck.mkdir()
     storage = LocalStorage(ck, direct=False)

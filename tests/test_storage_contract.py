@@ -395,7 +395,7 @@ def test_other_o_direct_errors_are_not_swallowed(tmp_path, monkeypatch):
 def test_failed_put_leaves_no_temporary(tmp_path, monkeypatch):
     s = LocalStorage(tmp_path, direct=False)
 
-    def boom(src, dst):
+    def boom(src, dst, **kwargs):
         raise OSError(errno.EIO, "injected")
 
     monkeypatch.setattr(os, "replace", boom)

@@ -6,7 +6,9 @@ Credentials for a URL come from `--storage-option key=value` (repeatable; dotted
 client_kwargs.region_name=us-east-1) or from the environment the cloud SDK reads
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...). They are never printed.
 
-Exit codes: 0 fine, 1 damage found (verify), 2 bad usage, an unreachable tier, or nothing to show.
+Exit codes: 0 fine, 1 damage found (verify; any command that meets a damaged or hostile checkpoint),
+2 bad usage, an unreachable tier, or nothing to show, 3 a bug of this library (a one-line message;
+CHECKPOINTING_DEBUG=1 lets the traceback out).
 The commands are commands.py (on a tier) and report.py (from metrics.jsonl); `main` is the one
 place where a failure becomes an error line and an exit code (fmt.fail).
 """
@@ -14,14 +16,18 @@ place where a failure becomes an error line and an exit code (fmt.fail).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
 from rich.console import Console
+from rich.errors import MarkupError
 
 from checkpointing.cli import commands, report
-from checkpointing.cli.fmt import CommandFailed, fail
-from checkpointing.errors import CheckpointError
+from checkpointing.cli.fmt import USAGE, CommandFailed, fail
+from checkpointing.errors import CheckpointCorruptError, CheckpointError
+
+INTERNAL = 3  # the exit code of a bug in this library (not of the checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,14 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command: its exit code; a failure is printed as one error line on stderr."""
     args = build_parser().parse_args(argv)
+    if os.environ.get("CHECKPOINTING_DEBUG"):
+        return args.func(args, Console())
     try:
         return args.func(args, Console())
     except CommandFailed as exc:
         return fail(Console(stderr=True), str(exc), exc.code)
-    except (CheckpointError, OSError) as exc:  # an unreachable tier, a failed delete: messages carry no credentials
-        return fail(Console(stderr=True), str(exc))
+    except CheckpointError as exc:  # damage found while reading, an unreachable tier: messages carry no credentials
+        return fail(Console(stderr=True), str(exc), 1 if isinstance(exc, CheckpointCorruptError) else USAGE)
+    except (OSError, ValueError, OverflowError, MemoryError, RecursionError, MarkupError) as exc:  # odd directory contents
+        return fail(Console(stderr=True), f"{type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: one line, never a traceback, and a way to report it
+        return fail(Console(stderr=True), f"internal error ({type(exc).__name__}: {exc}); please report it with the "
+                    "command line (CHECKPOINTING_DEBUG=1 shows the traceback)", INTERNAL)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from checkpointing.cli import fmt
@@ -24,8 +25,9 @@ from checkpointing.format.manifest import Manifest
 from checkpointing.format.step_sizes import step_usage
 from checkpointing.plan.retention import tier_states
 from checkpointing.restore.export import export_step
-from checkpointing.storage import Storage
+from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog, collect, pins
+from checkpointing.tier import lock as writer_lock
 from checkpointing.tier.tierfile import read_tier_id
 from checkpointing.tier.verify import verify_step
 
@@ -99,13 +101,13 @@ def _committed_at(storage: Storage, step: int) -> str:
 
 
 def _steps_table(rows: list[dict[str, Any]], title: str, *, with_tiers: bool) -> Table:
-    table = Table(title=title, caption=_LS_CAPTION)
+    table = Table(title=escape(title), caption=_LS_CAPTION)
     columns = ["step", "state"] + (["tier"] if with_tiers else []) + [c for c, _ in _LS_SIZES] + ["tensors", "committed at (UTC)"]
     for col in columns:
         table.add_column(col, justify="right" if col in ("step", "size", "new", "unique", "shared", "tensors") else "left")
     for r in rows:
         style = {"committed": "green", "damaged": "red", "remote only": "cyan"}.get(r["state"], "yellow")
-        cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([r["tier"]] if with_tiers else [])
+        cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([escape(r["tier"])] if with_tiers else [])
         sizes = [fmt.size(r[k]) if k in r else "" for _, k in _LS_SIZES]
         table.add_row(*cells, *sizes, str(r.get("tensors", "")), r.get("committed_at", ""))
     return table
@@ -126,12 +128,12 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
                          "chunks": sum(len(s.chunks) for s in t.shards)} for t in manifest.tensors],
             "tree": manifest.tree,
         }, indent=2))
-        return 0
+        return _files_state(storage, manifest, Console(stderr=True))
     table = Table(title=f"step {step}: {len(manifest.tensors)} tensors, {fmt.size(manifest.nbytes)} (format v{manifest.format_version})")
     for col in ("key", "dtype", "shape", "size", "chunks"):
         table.add_column(col, justify="right" if col in ("size", "chunks") else "left")
     for t in manifest.tensors:
-        table.add_row(t.key, t.dtype, "x".join(map(str, t.shape)) or "scalar", fmt.size(t.nbytes), str(sum(len(s.chunks) for s in t.shards)))
+        table.add_row(escape(t.key), escape(t.dtype), "x".join(map(str, t.shape)) or "scalar", fmt.size(t.nbytes), str(sum(len(s.chunks) for s in t.shards)))
     console.print(table)
     values = _values(manifest.tree, ())
     if values:
@@ -139,8 +141,36 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
         for key, val in values[: args.max_values]:
             console.print(f"  {key} = {val}", markup=False)
         if len(values) > args.max_values:
-            console.print(f"  ... {len(values) - args.max_values} more (--max-values)")
-    return 0
+            console.print(f"  ... {len(values) - args.max_values} more (--max-values)", markup=False)
+    return _files_state(storage, manifest, console)
+
+
+def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
+    """1 (and a line per file) when a data file this tier should hold is missing, not a regular file or
+    of the wrong size (what inspect can tell without reading the data: `verify` checks every byte)."""
+    here = read_tier_id(storage)
+    # the sizes each file may have: a local tier holds whole files, the remote tier (no id) at least their primary prefix
+    expected = {f.path: (f.nbytes if here is not None else f.primary_bytes, f.nbytes)
+                for f in manifest.files if here is None or f.tier in ("", here)}
+    if not manifest.files:  # format v1: no file table, each file must at least hold its chunks
+        for t in manifest.tensors:
+            for sh in t.shards:
+                for c in sh.chunks:
+                    end = max(expected.get(c.file, (0, 0))[0], c.offset + c.length)
+                    expected[c.file] = (end, 1 << 62)
+    bad = []
+    for path, (lo, hi) in sorted(expected.items()):
+        try:
+            found: int | None = storage.size(path)
+        except FileNotFoundError:
+            found = None
+        if found is None or not lo <= found <= hi:
+            bad.append(f"{storage.url}/{path}: " + ("missing or not a regular file" if found is None else f"{found} bytes, expected {lo}"))
+    for line in bad:
+        console.print(f"[red]damaged[/red] {escape(line)}")
+    if bad:
+        console.print(f"step {manifest.step} is damaged: run `checkpointing verify` for details", markup=False)
+    return 1 if bad else 0
 
 
 def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
@@ -169,10 +199,17 @@ def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
 def verify(args: argparse.Namespace, console: Console) -> int:
     """Check every digest of one step or of every committed step; 1 when any is damaged."""
     storage = open_target(args.dir, args.storage_option)
-    steps = [committed_step(storage, args.step)] if args.step is not None else catalog.list_steps(storage).committed
-    if not steps:
-        raise fmt.CommandFailed(f"{storage.url}: no committed step to verify")
+    listing = catalog.list_steps(storage)
+    steps = [committed_step(storage, args.step)] if args.step is not None else listing.committed
+    unreadable = {} if args.step is not None else {s: catalog.unreadable_commit(storage, s) for s in listing.incomplete}
     damaged = 0
+    for step, why in sorted(unreadable.items()):
+        if why:
+            damaged += 1
+            console.print(f"[red]DAMAGED[/red] step {step}: 1 problem(s)")
+            console.print(f"  - {why}", markup=False)
+    if not steps and not damaged:
+        raise fmt.CommandFailed(f"{storage.url}: no committed step to verify")
     for step in each(console, "verifying steps", steps):
         report = verify_step(storage, step)
         if report.ok:
@@ -184,7 +221,8 @@ def verify(args: argparse.Namespace, console: Console) -> int:
             for p in report.problems:
                 console.print(f"  - {p}", markup=False)
     if damaged:
-        console.print(f"[red]{damaged} of {len(steps)} step(s) damaged[/red]")
+        total = len(steps) + sum(1 for why in unreadable.values() if why)
+        console.print(f"[red]{damaged} of {total} step(s) damaged[/red]")
         return 1
     console.print(f"all {len(steps)} step(s) verified")
     return 0
@@ -196,12 +234,20 @@ def gc(args: argparse.Namespace, console: Console) -> int:
     options = dict(min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, measure=True)
     if args.dry_run:
         result = collect.collect(storage, dry_run=True, **options)
-    else:
-        total = len(collect.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s).garbage)
-        with Bar(console, "removing", total) as bar:
-            result = collect.collect(storage, on_delete=lambda g: bar.advance(), **options)
+    else:  # removing: only under the directory's writer lock (a manager writing there holds it: tidying is its job then)
+        try:
+            held = writer_lock.acquire(storage.root, purpose="checkpointing gc") if isinstance(storage, LocalStorage) else None
+        except CheckpointError as exc:
+            raise fmt.CommandFailed(f"{exc}; `checkpointing gc --dry-run` needs no lock") from None
+        try:
+            total = len(collect.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s).garbage)
+            with Bar(console, "removing", total) as bar:
+                result = collect.collect(storage, on_delete=lambda g: bar.advance(), **options)
+        finally:
+            if held is not None:
+                held.release()
     for p in result.problems:
-        console.print(f"[red]skipped[/red] {p}: no data removed (a step that cannot be read may reference any file)", markup=False)
+        console.print(f"[red]skipped[/red] {escape(p)}: no data removed (a step that cannot be read may reference any file)")
     for step in result.pinned:
         console.print(f"left step {step}: a save in flight pins it", highlight=False)
     for step, n in sorted(result.kept.items()):
@@ -211,7 +257,7 @@ def gc(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{verb} {g.path} ({fmt.size(g.nbytes)}): {g.reason}", markup=False, highlight=False)
     total_size = fmt.size(sum(g.nbytes for g in result.garbage))
     if not result.garbage:
-        console.print(f"nothing unreferenced in {storage.url}")
+        console.print(f"nothing unreferenced in {escape(storage.url)}")
     elif args.dry_run:
         console.print(f"{len(result.garbage)} unreferenced object(s), {total_size}: run without --dry-run to remove them")
     else:
@@ -226,5 +272,6 @@ def export(args: argparse.Namespace, console: Console) -> int:
     total = len(catalog.load_manifest(storage, step).tensors)
     with Bar(console, f"exporting step {step}", total) as bar:
         nbytes = export_step(storage, step, args.out, progress=bar.advance)
-    console.print(f"step {step}: {total} tensors, {fmt.size(nbytes)} written to {args.out} (torch.load(..., weights_only=True) reads it)")
+    console.print(f"step {step}: {total} tensors, {fmt.size(nbytes)} written to {args.out} (torch.load(..., weights_only=True) reads it)",
+                  markup=False, highlight=False)
     return 0

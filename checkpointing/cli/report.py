@@ -59,8 +59,8 @@ def saves_table(records: Sequence[Record], title: str = "saves") -> Table:
         table.add_column(header, justify="right")
     table.add_column("result")
     for r in records:
-        row = [str(r.get("step", ""))] + ([str(r.get("rank", ""))] if ranks else [])
-        row += [str(r.get("tier") or "")] if tiers else []
+        row = [escape(str(r.get("step", "")))] + ([escape(str(r.get("rank", "")))] if ranks else [])
+        row += [escape(str(r.get("tier") or ""))] if tiers else []
         row += [show(number(r, key)) for key, _, show in cols]
         err = r.get("error")
         row.append("[green]ok[/green]" if succeeded(r) else f"[red]error[/red] {escape(str(err))}" if err else "[red]error[/red]")
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         doc = to_json(records, mtbf_s, source=str(args.dir), plot_path=path)
         console.print(json.dumps(doc, indent=2), markup=False, highlight=False, soft_wrap=True)
         return 0
-    console.print(saves_table(records, title=f"saves in {args.dir}"))
+    console.print(saves_table(records, title=escape(f"saves in {args.dir}")))
     console.print(summary_table(summary))
     if path:
         console.print(f"plot written to {path}", markup=False)

@@ -46,8 +46,9 @@ class LocalCoordinator:
             raise CheckpointError(f"step {save.step} cannot be committed: {exc}") from None
         return Committed(manifest, catalog.commit_bytes(self.storage, save.step, encode_manifest(manifest), save.token))
 
-    def barrier(self, name: str) -> None:
-        pass
+    def barrier(self, name: str, error: str | None = None) -> None:
+        if error is not None:
+            raise CheckpointError(error)
 
     def agree_restore(self, readable: list[int], note: str, requested: int | None, error: str | None = None) -> int | None:
         return agreed_step([RestoreView(readable, note, error)], requested)

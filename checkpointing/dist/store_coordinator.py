@@ -26,7 +26,7 @@ from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, poll, store_errors, wait_keys
 from checkpointing.dist.types import Committed, SaveRef, Store, TierCommitter, Written
-from checkpointing.errors import CoordinationTimeout, MergeError, PeerFailed, RanksFailedError
+from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError
 from checkpointing.format.decode import decode_manifest
 from checkpointing.format.manifest import encode_manifest, manifest_digest
 from checkpointing.format.rank_reports import RankPart, decode_part, encode_part, merge_parts
@@ -239,10 +239,13 @@ class StoreCoordinator:
         return sorted(set.intersection(*views))
 
     @store_errors
-    def barrier(self, name: str) -> None:
-        self.store.set(keys.barrier(name, self.rank), b"1")
+    def barrier(self, name: str, error: str | None = None) -> None:
+        self.store.set(keys.barrier(name, self.rank), b"1" if error is None else ("!" + error).encode())
         arrived = [keys.barrier(name, r) for r in range(self.world_size)]
         self._wait(arrived, time.monotonic() + self.timeout_s, f"waiting for every rank ({name})")
+        failed = {r: v[1:].decode("utf-8", "replace") for r, v in enumerate(self.store.multi_get(arrived)) if v.startswith(b"!")}
+        if failed:
+            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
 
     def close(self) -> None:
         """Wait until every rank is done with the store (its server may live in rank 0's process)."""

@@ -123,7 +123,9 @@ class Coordinator(Exchange, Protocol):
         Raises if any rank failed (RanksFailedError) or did not answer (CoordinationTimeout)."""
         ...
 
-    def barrier(self, name: str) -> None: ...
+    def barrier(self, name: str, error: str | None = None) -> None:
+        """Wait for every rank; `error` (this rank cannot go on): every rank raises CheckpointError naming it."""
+        ...
 
     def agree_restore(self, readable: list[int], note: str, requested: int | None, error: str | None = None) -> int | None:
         """The newest step every rank can read (or check `requested`); the error names who cannot."""

@@ -8,7 +8,10 @@ save writes, a restore can read).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import itertools
 import json
 import math
 import re
@@ -30,6 +33,7 @@ from checkpointing.format.naming import check_relpath
 
 READABLE_VERSIONS = (1, 2, 3)  # 1: one rank, one tree, no file table; 2: no references into other steps' files
 MAX_TREE_DEPTH = 64
+MAX_TENSOR_ELEMENTS = 1 << 48  # 256 T elements: far above any real tensor, far below what would overflow a size
 _DIGEST = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
 _MANIFEST_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TIER = re.compile(r"^[A-Za-z0-9_-]{0,64}$")  # "": the tier the manifest is read from (version 1)
@@ -190,6 +194,8 @@ def _decode_tensor(obj: Any, where: str) -> TensorEntry:
         replicas = _decode_replicas(raw.get("replicas", []), chunks, sw)
         covered += numel
         shards.append(ShardEntry(offsets, sshape, chunks, replicas))
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise ManifestError(f"{where}: shape {list(shape)} has more than {MAX_TENSOR_ELEMENTS} elements (no real tensor has)")
     if covered != math.prod(shape):
         raise ManifestError(f"{where}: shards cover {covered} elements, the tensor has {math.prod(shape)}")
     check_tiling(shape, [(s.offsets, s.shape) for s in shards], where)
@@ -211,14 +217,44 @@ def _decode_replicas(raw: Any, primary: tuple[ChunkRef, ...], where: str) -> tup
 
 
 def check_tiling(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], where: str) -> None:
-    """Shards (offsets, shape) must tile the global shape: no overlaps (with the element count checked by the caller, no holes)."""
+    """Shards (offsets, shape) must tile the global shape: no overlaps (with the element count checked by the caller, no holes).
+
+    O(n log n) for any sharding a save produces: the boxes are painted onto the grid their
+    boundaries cut (as many cells as boxes for a tiling, so linear after the sort); only when that
+    grid is far larger than the boxes (boxes not aligned with each other) does a sweep along the
+    first dimension compare the boxes whose first-dimension spans overlap.
+    """
     nonempty = sorted((o, s) for o, s in boxes if math.prod(s))
+    if len(shape) >= 2 and len(nonempty) > 16 and _paint_grid(nonempty, len(shape), where):
+        return
     for i, (oa, sa) in enumerate(nonempty):
-        for ob, sb in nonempty[i + 1 :]:
+        for j in range(i + 1, len(nonempty)):
+            ob, sb = nonempty[j]
             if ob[0] >= oa[0] + sa[0] if shape else False:
                 break  # sorted by the first offset: no later shard can overlap this one
             if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
                 raise ManifestError(f"{where}: shards at offsets {list(oa)} and {list(ob)} overlap")
+
+
+def _paint_grid(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], ndim: int, where: str) -> bool:
+    """Paint every box onto the grid of all box boundaries; an overlap raises. False (nothing
+    decided) when the grid has far more cells than there are boxes."""
+    cuts = [sorted({o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes}) for d in range(ndim)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > 4 * len(boxes) + 4096:
+        return False
+    index = [{v: i for i, v in enumerate(c)} for c in cuts]
+    strides = [math.prod(len(c) - 1 for c in cuts[d + 1 :]) for d in range(ndim)]
+    owner = [-1] * cells
+    for b, (o, n) in enumerate(boxes):
+        spans = [range(index[d][o[d]] * strides[d], index[d][o[d] + n[d]] * strides[d], strides[d]) for d in range(ndim)]
+        for cell in itertools.product(*spans):
+            flat = sum(cell)
+            if owner[flat] >= 0:
+                other = boxes[owner[flat]][0]
+                raise ManifestError(f"{where}: shards at offsets {list(other)} and {list(o)} overlap")
+            owner[flat] = b
+    return True
 
 
 def _decode_chunk(obj: Any, where: str, k: int) -> ChunkRef:
@@ -292,7 +328,17 @@ def _check_node(node: Any, n_tensors: int, where: str, depth: int) -> None:
             raise ManifestError(f"{where}: value must be null, bool, integer, finite float or string")
         elif kind == "float" and v not in ("nan", "inf", "-inf"):
             raise ManifestError(f"{where}: float must be 'nan', 'inf' or '-inf'")
-        elif kind == "bytes" and not isinstance(v, str):
-            raise ManifestError(f"{where}: bytes must be a base64 string")
+        elif kind == "bytes" and not _is_base64(v):
+            raise ManifestError(f"{where}: bytes must be a base64 string, found {v!r:.80}")
     else:
         raise ManifestError(f"{where}: unknown tree node {sorted(node)!r:.80}")
+
+
+def _is_base64(v: Any) -> bool:
+    if not isinstance(v, str):
+        return False
+    try:
+        base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True

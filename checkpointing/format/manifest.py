@@ -113,6 +113,19 @@ def chunk_digest(data: memoryview | bytes) -> str:
     return f"{CHUNK_DIGEST}:{xxhash.xxh3_128(data).hexdigest()}"
 
 
+class ChunkHasher:
+    """chunk_digest of bytes fed in pieces (a reader that must not hold a whole chunk in memory)."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def digest(self) -> str:
+        return f"{CHUNK_DIGEST}:{self._h.hexdigest()}"
+
+
 def manifest_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 

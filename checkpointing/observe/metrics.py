@@ -10,10 +10,12 @@ step fields; `metrics.jsonl` and `on_metrics` get it once, complete (see SaveAcc
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
 import queue
+import stat
 import threading
 from typing import Any, Callable, Iterator
 
@@ -37,6 +39,10 @@ class SaveStats:
         this rank's upload found there already (earlier steps' files, or a resumed upload's).
         bytes_unwritten: of the state, the bytes staging neither compared nor copied because the
         kernel saw no write to their pages since the previous save (change_detection="auto").
+    bytes_reverified, chunks_reverified: borrowed chunks read back and digested on the ckpt-io
+        thread between the previous save's commit and this save (reverify_every, docs/design.md
+        "Incremental saves"); chunks_damaged: of those, the ones that did not match their digest
+        (or could not be read): this save wrote them anew instead of borrowing them.
     tier: where the step is durable: "local", or "local+remote" once uploaded.
     upload_s, bytes_uploaded, upload_bytes_per_s (None without a remote tier): local commit to
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
@@ -86,6 +92,9 @@ class SaveStats:
     chunks_reused: int = 0
     bytes_upload_reused: int | None = None
     bytes_unwritten: int = 0
+    bytes_reverified: int = 0
+    chunks_reverified: int = 0
+    chunks_damaged: int = 0
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -106,8 +115,20 @@ def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> 
     """Append one record as a JSON line (one write: lines of ranks sharing the file do not interleave)."""
     record = stats.as_dict() if isinstance(stats, SaveStats) else stats
     line = json.dumps(record, sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
+    try:  # never through a link, never blocking on a FIFO: the checkpoint directory may hold anything
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP and not os.path.islink(path):
+            raise
+        log.warning("checkpointing: %s is a symbolic link: metrics line not written (never written through a link)", path)
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            log.warning("checkpointing: %s is not a regular file: metrics line not written", path)
+            return
+        os.write(fd, line.encode("utf-8"))
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 import statistics
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -58,8 +59,15 @@ def load_records(path_or_dir: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(text)
     if path.is_dir():
         path = path / METRICS_NAME
-    elif not path.exists():
+    elif not path.exists() and not path.is_symlink():
         raise CheckpointConfigError(f"{text}: no such checkpoint directory or metrics file")
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISREG(mode):  # a symlink (perhaps out of the directory), a FIFO, a device: never followed or opened
+        raise CheckpointConfigError(f"{path} is not a regular file (a symlink, FIFO or device): not read; "
+                                    f"remove it (a save writes a new {METRICS_NAME})")
     return [r for r in read_jsonl(path) if isinstance(r, dict)]
 
 

@@ -24,7 +24,7 @@ then at most about twice what the retained steps need.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Collection, Mapping
 
 from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest
 from checkpointing.plan.pack import PackPlan
@@ -52,6 +52,12 @@ class ReuseBase:
     refs: tuple[ChunkRef | None, ...]  # per placement: where the committed step stores them (None: nowhere this rank can use)
     files: Mapping[str, FileEntry]  # the file-table entry of every file `refs` names
     keys: tuple[PlaceKey, ...] = ()  # per placement: its place (writer.placement_keys)
+
+    def without(self, damaged: Collection[tuple[str, int, int, str]]) -> "ReuseBase":
+        """This base less the chunks `damaged` names (plan/scrub.py chunk ids: file, offset, length,
+        digest; found damaged by re-verification): the next save writes them anew."""
+        refs = tuple(None if r is not None and (r.file, r.offset, r.length, r.digest) in damaged else r for r in self.refs)
+        return self if refs == self.refs else dataclasses.replace(self, refs=refs)
 
     def against(self, plan: PackPlan, pool_generation: int, keys: list[PlaceKey]) -> "Match":
         """The base seen from a save with `plan`: per placement of that plan, the previous digest

@@ -3,7 +3,9 @@
 The file is written with torch.save and holds only tensors, strings and ints:
     {"step": N, "world_size": W, "tensors": {key: full tensor, ...}}
 so `torch.load(path, weights_only=True)` reads it without unpickling arbitrary objects. Every
-chunk is verified on the way, as a restore would.
+chunk is verified on the way, as a restore would. Memory is bounded by what is on disk: before
+anything is allocated, every chunk this tier holds must lie inside its file's real size, and the
+full tensors together may not exceed the bytes of the data files present.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from checkpointing.errors import CheckpointCorruptError, CheckpointError
+from checkpointing.format.manifest import Manifest
 from checkpointing.tier import catalog
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.restore.reading import ReadBox, Sources, read_box
@@ -33,6 +37,7 @@ def export_step(storage: Storage, step: int, out: str | os.PathLike, *, progress
         sources = Sources(manifest, None, "", remote=storage)
     else:
         sources = Sources(manifest, storage, here, where=f" (export reads the tier {storage.url}; its other shards are on other ranks' local tiers)")
+    _check_extent(storage, manifest)
     tensors = {}
     nbytes = 0
     for entry in manifest.tensors:
@@ -51,3 +56,30 @@ def export_step(storage: Storage, step: int, out: str | os.PathLike, *, progress
     torch.save({"step": step, "world_size": manifest.world_size, "tensors": tensors}, tmp)
     os.replace(tmp, out)
     return nbytes
+
+
+def _check_extent(storage: Storage, manifest: Manifest) -> None:
+    """Refuse, before any allocation, a manifest that promises more bytes than this tier's files hold."""
+    sizes: dict[str, int] = {}
+    for path in sorted(manifest.data_files()):
+        try:
+            sizes[path] = storage.size(path)
+        except FileNotFoundError:
+            continue  # on another tier, or missing: reading the shard says which
+        except (CheckpointError, OSError) as exc:
+            raise CheckpointCorruptError(f"step {manifest.step}: data file {storage.url}/{path} cannot be read ({exc})") from None
+    for entry in manifest.tensors:
+        for shard in entry.shards:
+            for copy in shard.copies():
+                for c in copy:
+                    if c.file in sizes and c.offset + c.length > sizes[c.file]:
+                        raise CheckpointCorruptError(
+                            f"step {manifest.step}, tensor {entry.key!r:.120}: bytes {c.offset}..{c.offset + c.length} of "
+                            f"{storage.url}/{c.file} lie past its end ({sizes[c.file]} bytes): the file is truncated or the "
+                            "manifest damaged; export another step"
+                        )
+    if manifest.nbytes > sum(sizes.values()):
+        raise CheckpointCorruptError(
+            f"step {manifest.step}: its tensors need {manifest.nbytes} bytes, but the data files in {storage.url} hold only "
+            f"{sum(sizes.values())}: the manifest is damaged, or the step's files are on other tiers (export from the remote tier)"
+        )

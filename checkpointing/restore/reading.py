@@ -4,7 +4,8 @@ Each target covers a box of its global tensor (a DTensor its local shard, a plai
 it). Every saved shard overlapping the box is read from a copy this rank can reach (its local
 tier, else the remote one): whole chunks, each verified against its digest, straight into the
 target's memory when the box is exactly one saved shard (the usual same-world case), else through
-a buffer of the shard's rows that hold the box.
+a buffer of the shard's rows that hold the box (also for a lazy conj/neg view: its raw bytes are
+not its values, so it is filled with copy_).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _read_shard(storage: Storage, step: int, entry: TensorEntry, shard: ShardEnt
     if storage is sources.remote:
         sources.count_remote(sum(c.length for c in chunks))
     whole = shard.offsets == read.box_offsets and shard.shape == read.box_shape
-    if whole and dest.device.type == "cpu" and dest.is_contiguous():
+    if whole and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
         _read_chunks(storage, step, entry, chunks, tensor_view(dest), 0)  # straight into the target
         return
     box = intersect(read.box_offsets, read.box_shape, shard.offsets, shard.shape)

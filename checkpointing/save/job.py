@@ -111,10 +111,20 @@ class WriteResult:
     keys: list[PlaceKey]  # per placement (reuse.ReuseBase.keys)
 
 
+@dataclasses.dataclass(frozen=True)
+class Reverified:
+    """Borrowed chunks read back and digested since the previous save (save/scrub.py), and how many
+    of them were damaged (this save wrote those anew)."""
+
+    bytes: int = 0
+    chunks: int = 0
+    damaged: int = 0
+
+
 class SaveOutcome:
     """What became of the save. The ckpt-io thread writes it: `pin` (the writer, while writing),
     `written`, `manifest`, `manifest_digest` and `t_committed` (the worker, from what the coordinator
-    returns), then `done`. `error` is the worker's (or save()'s, for a save that failed inside it);
+    returns), then `done`; `reverified` (the worker, before the write). `error` is the worker's (or save()'s, for a save that failed inside it);
     `stats` is the SaveRecords' (save/records.py); whoever raises or logs the error sets
     `error_reported`."""
 
@@ -122,6 +132,7 @@ class SaveOutcome:
         self.done = threading.Event()  # committed locally or failed; the next save may start
         self.pin: str | None = None  # this rank's pin while the save is in flight (tier/pins.py)
         self.written: WriteResult | None = None
+        self.reverified = Reverified()  # the worker's, before the write: re-verification since the previous save
         self.manifest: Manifest | None = None  # the committed manifest
         self.manifest_digest = ""  # the sha256 its COMMIT names
         self.t_committed = 0.0

@@ -26,6 +26,10 @@ class SerialThread(Generic[Item]):
     def put(self, item: Item) -> None:
         self._queue.put(item)
 
+    def pending(self) -> bool:
+        """Something is queued (an item, or close's stop) that waits for the current one."""
+        return not self._queue.empty()
+
     def close(self) -> None:
         """Stop once the items put so far have run."""
         self._queue.put(None)

@@ -2,7 +2,8 @@
 
 `SaveWorker` is the ckpt-io thread. Per save: write this rank's part (writer.run_save), commit
 through the coordinator, remove the pin, local retention, then either hand the step to the
-uploader (with a remote tier) or record its stats (records.py). `AfterUpload` runs on the
+uploader (with a remote tier) or record its stats (records.py), and last re-verify a share of the
+chunks the step borrows (save/scrub.py), while no save waits. `AfterUpload` runs on the
 ckpt-upload thread (uploader.py) after each upload: record the stats (metrics.jsonl, log line),
 then local retention again (the step may now be pruned locally). `LocalRetention` is keep_local on
 this rank's local tier, for both. None of them ever raises: errors are kept on the jobs and raised
@@ -11,6 +12,7 @@ at the next save()/wait().
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,9 +21,13 @@ from typing import Callable
 from checkpointing.save.serial import SerialThread
 from checkpointing.dist.types import Coordinator
 from checkpointing.errors import CheckpointError
+from checkpointing.format import naming
+from checkpointing.format.manifest import ChunkRef
+from checkpointing.plan import scrub
 from checkpointing.plan.reuse import ReuseBase, base_after_restore, base_after_save
 from checkpointing.save.job import SaveJob, UploadJob
 from checkpointing.save.records import SaveRecords
+from checkpointing.save.scrub import Reverifier
 from checkpointing.save.staging import StagingPool
 from checkpointing.save.uploader import PendingUploads, Uploader
 from checkpointing.save.writer import run_save
@@ -81,29 +87,45 @@ class SaveWorker:
     `base` is the newest committed save's chunks for the next incremental save to take from: the
     worker sets it after each commit (before the save's `done`), save() takes it for its job
     (`take_base`), restore() replaces it (`use_restored`); both of those only while no save runs.
+    Chunks that re-verification found damaged are dropped from a save's base when it starts (on
+    this thread, so that one found after save() took the base still counts).
     """
 
     def __init__(self, storage: LocalStorage, pool: StagingPool, coord: Coordinator, *,
                  write_block: int, incremental: bool, records: SaveRecords, retention: LocalRetention,
-                 uploader: Uploader | None) -> None:
+                 uploader: Uploader | None, reverify_every: int | None = scrub.DEFAULT_EVERY,
+                 reverify_bytes_per_s: float = scrub.DEFAULT_BYTES_PER_S) -> None:
         self._storage, self._pool, self._coord = storage, pool, coord
         self._write_block, self._incremental = write_block, incremental
         self._records, self._retention, self._uploader = records, retention, uploader
         self._base: ReuseBase | None = None
         self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run)
+        self._scrub = Reverifier(storage, every=reverify_every if incremental else None, bytes_per_s=reverify_bytes_per_s,
+                                 busy=self._thread.pending)
 
     def submit(self, job: SaveJob) -> None:
         self._thread.put(job)
+        self._scrub.interrupt()  # a paced re-verification stops waiting: this save goes first
 
     def take_base(self) -> ReuseBase | None:
         """The base for the save being issued; none for the next one until this one commits."""
         base, self._base = self._base, None
         return base
 
-    def use_restored(self, step: int) -> None:
+    def drop_base(self) -> None:
+        """The next save has no base (restore() is about to overwrite the state, and may fail)."""
+        self._base = None
+
+    def use_restored(self, step: int, *, clean: bool = True) -> None:
         """restore() read `step`: the next save's base is that step on this rank's local tier; none when
-        that tier cannot serve it (not committed there, its manifest damaged). The save checks that
-        the step is still committed and its files still there before it takes any chunk from them."""
+        that tier cannot serve it (not committed there, its manifest damaged) or when the restore found
+        damage there (`clean` False: it read some chunks from the remote tier instead), so the next
+        save writes everything. The save checks that the step is still committed and its files
+        still there before it takes any chunk from them."""
+        if not clean:
+            log.warning("checkpointing: step %d was damaged on %s: the next save writes every chunk anew", step, self._storage.root)
+            self._base = None
+            return
         try:
             manifest, digest = catalog.committed_manifest(self._storage, step)
         except (CheckpointError, OSError) as exc:
@@ -119,6 +141,11 @@ class SaveWorker:
     def _run(self, job: SaveJob) -> None:
         """Write this rank's part, commit through the coordinator, retain, record. Never raises."""
         outcome = job.outcome
+        if outcome.error is None:  # not a save that failed inside save(): it is recorded
+            outcome.reverified = self._scrub.take_counts()
+        base = self._scrub.screen(job.inputs.base)
+        if base is not job.inputs.base:
+            job.inputs = dataclasses.replace(job.inputs, base=base)
         try:
             self._write_and_commit(job)
         except BaseException as exc:  # reported at the next save()/wait()
@@ -131,6 +158,11 @@ class SaveWorker:
         if outcome.error is None:
             self._retention.after_commit(job.step)
         self._hand_on(job)
+        if outcome.error is None and outcome.written is not None:
+            try:
+                self._scrub.after_commit(job.step, _borrowed(outcome.written.refs, naming.pack_name(job.step, self._coord.rank, job.token)))
+            except Exception as exc:  # noqa: BLE001 - never stop the thread; the next round tries again
+                log.warning("checkpointing: re-verification after step %d failed: %s", job.step, exc)
 
     def _write_and_commit(self, job: SaveJob) -> None:
         coord = self._coord
@@ -173,3 +205,8 @@ class SaveWorker:
                 outcome.done.set()
         if upload is not None and not upload.done.is_set() and outcome.error is not None:
             upload.done.set()  # nothing to upload: the save failed (its error is the save's)
+
+
+def _borrowed(refs: list[ChunkRef | None], pack: str) -> list[ChunkRef]:
+    """The chunks a save took from earlier files (not from its own pack)."""
+    return [r for r in refs if r is not None and r.file != pack]

@@ -8,8 +8,12 @@ checkpoint storage and explicitly allow pickle for a named set of types.
 from __future__ import annotations
 
 import base64
+import binascii
+import io
 import pickle
 from typing import Any, Protocol, runtime_checkable
+
+from checkpointing.errors import CheckpointError, StateError
 
 
 @runtime_checkable
@@ -31,7 +35,13 @@ class Codec(Protocol):
 
 
 class PickleCodec:
-    """Pickle for an explicit allowlist of types. Loading executes pickle: use only with trusted storage."""
+    """Pickle for an explicit allowlist of types. Loading runs pickle: use it only with storage you trust.
+
+    Even then, loading builds only the types it was given: a restricted unpickler refuses every
+    other class or function a (tampered) pickle names, so a checkpoint cannot run code through
+    this codec beyond those types' own constructors. A value whose pickle needs another type (a
+    field holding an object of a class not listed) is refused at save(), naming that type.
+    """
 
     name = "pickle"
 
@@ -39,12 +49,59 @@ class PickleCodec:
         if not types:
             raise ValueError("PickleCodec needs the types it may pickle, e.g. PickleCodec(MyConfig)")
         self.types = tuple(types)
+        self._allowed = frozenset((t.__module__, t.__qualname__) for t in types) | _SAFE_GLOBALS
 
     def encode(self, obj: Any) -> Any:
-        return base64.b64encode(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        try:  # what save writes, restore must be able to read: refuse now what loading would refuse
+            self._load(data)
+        except CheckpointError as exc:
+            raise StateError(f"PickleCodec cannot save a {type(obj).__module__}.{type(obj).__qualname__}: {exc}") from None
+        return base64.b64encode(data).decode("ascii")
 
     def decode(self, data: Any) -> Any:
-        return pickle.loads(base64.b64decode(data))  # noqa: S301 - explicit opt-in
+        if not isinstance(data, str):
+            raise CheckpointError(f"PickleCodec data must be a base64 string, found a {type(data).__name__}: the checkpoint is damaged")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except binascii.Error as exc:
+            raise CheckpointError(f"PickleCodec data is not valid base64 ({exc}): the checkpoint is damaged") from None
+        return self._load(raw)
+
+    def _load(self, data: bytes) -> Any:
+        try:
+            return _RestrictedUnpickler(io.BytesIO(data), self._allowed).load()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of a damaged pickle is one clear error
+            raise CheckpointError(f"PickleCodec data cannot be loaded ({type(exc).__name__}: {exc}): the checkpoint is damaged") from None
+
+
+# Harmless builtins a pickle of an allowed type may name (containers and numbers only; no callables
+# that run code). Anything else must be among the codec's types.
+_SAFE_GLOBALS = frozenset({
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex"), ("builtins", "bytearray"),
+    ("builtins", "slice"), ("builtins", "range"), ("collections", "OrderedDict"),
+})
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the (module, qualified name) pairs it was given."""
+
+    def __init__(self, file: io.BytesIO, allowed: frozenset[tuple[str, str]]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._allowed:
+            raise CheckpointError(
+                f"the pickle names {module}.{name}, which is not among the types this PickleCodec was given; "
+                f"if you trust this checkpoint and that type, add it: PickleCodec(..., {name.rsplit('.', 1)[-1]})"
+            )
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError("the pickle refers to a persistent id, which PickleCodec never writes: the checkpoint is damaged")
 
 
 def find_codec(codecs: tuple[Codec, ...], obj: Any) -> Codec | None:

@@ -87,6 +87,19 @@ def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), e
     return FlatState(tree, walker.leaves)
 
 
+def _unsupported(t: torch.Tensor) -> str | None:
+    """Why a (local) tensor cannot be saved as dense bytes, with what to do instead; None when it can."""
+    if t.is_nested:
+        return "is a nested tensor: save its components (t.unbind()) as a list of tensors"
+    if t.is_quantized:
+        return f"is a quantized tensor ({t.dtype}): save t.dequantize(), or t.int_repr() with its scale and zero point"
+    if t.is_sparse or t.layout != torch.strided:
+        return f"is a sparse tensor ({t.layout}): save t.to_dense(), or its indices and values as separate tensors"
+    if t.device.type == "meta":
+        return "is on the meta device and holds no data: materialize it (e.g. module.to_empty() and initialise) before saving"
+    return None
+
+
 class _Walker:
     def __init__(self, codecs: tuple[Codec, ...], eager: bool) -> None:
         self.codecs = codecs
@@ -173,11 +186,17 @@ class _Walker:
         layout = None
         if is_dtensor(t):
             t, layout = dtensor_layout(t.detach(), key)
+        elif t.is_nested:
+            raise StateError(f"state[{key!r}] {_unsupported(t)}")
         elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             raise StateError(f"state[{key!r}] is a {class_name(t)}: pass a plain tensor or a DTensor (tensor subclasses are not supported)")
-        if t.is_sparse or t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise StateError(f"state[{key!r}] is a {t.layout}/{t.device.type} tensor: convert it to a dense tensor first")
+        refusal = _unsupported(t)
+        if refusal is not None:
+            raise StateError(f"state[{key!r}] {refusal}")
         t = t.detach()
+        if t.is_conj() or t.is_neg():  # a lazy view: its memory holds other values than it reads as
+            t = t.resolve_conj().resolve_neg()  # the values, copied now (save() time): nothing left to defer
+            deferred = False
         storage_ptr = t.untyped_storage().data_ptr()
         alias_key = (t.device, storage_ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, layout)
         if t.numel() and alias_key in self._alias:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from checkpointing.errors import CheckpointCorruptError
+
 
 class StreamWriter(Protocol):
     """Sequential writer of one large object (a pack file).
@@ -49,7 +51,10 @@ class Storage(Protocol):
         returns, but it may be lost in a power cut (a pin: it matters only while its writer runs)."""
         ...
 
-    def get(self, path: str) -> bytes: ...
+    def get(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole object. max_bytes: an object larger than that raises CheckpointCorruptError
+        (see too_large) without being read whole: manifests and markers are read with a cap."""
+        ...
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None: ...
 
@@ -83,3 +88,9 @@ def exists_with_size(storage: Storage, path: str, nbytes: int) -> bool:
         return storage.size(path) == nbytes
     except FileNotFoundError:
         return False
+
+
+def too_large(where: object, size: int, max_bytes: int) -> CheckpointCorruptError:
+    """The error of a capped get(): the object is larger than any of its kind may be."""
+    return CheckpointCorruptError(f"{where} holds {size} bytes, more than the {max_bytes} such a file may have: "
+                                  "not read (it is damaged or not a checkpoint file); remove that step or the file")

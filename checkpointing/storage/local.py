@@ -1,6 +1,11 @@
 """Local filesystem tier: O_DIRECT streams where supported, atomic durable puts, fsync everywhere.
 
 Layer: storage (I/O). The Storage protocol (base.py) on a directory of node-local storage.
+Hostile contents: below the root nothing is followed through a symbolic link (every path is walked
+with directory file descriptors and O_NOFOLLOW; a link is skipped by list() with a warning, is a
+missing object to get/size/mtime and is never deleted through), only regular files are read
+(O_NONBLOCK: a FIFO never blocks), and a directory this class creates is made durable in its parent
+(fsync of the parent) before anything is created in it.
 """
 
 from __future__ import annotations
@@ -8,15 +13,26 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Iterator
 
+from checkpointing.errors import CheckpointCorruptError
 from checkpointing.format.naming import new_token
 from checkpointing.storage import base
 
 DIRECT_ALIGN = 4096
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+log = logging.getLogger("checkpointing")
+
+
+class SymlinkSkipped(FileNotFoundError):
+    """A symbolic link where an object or directory is expected: never followed, so it is no object."""
 
 
 class LocalStorage:
@@ -24,65 +40,149 @@ class LocalStorage:
 
     put: write `<name>.tmp-<token>`, fsync, rename over the final name (exclusive: link(), which
     fails if the name exists), fsync the directory. open_stream: O_DIRECT when `direct` and the
-    filesystem accepts it (tmpfs does not: buffered then), fsync on close.
+    filesystem accepts it (tmpfs does not: buffered then), fsync on close. `create=False` (readers:
+    the CLI) never creates the root.
     """
 
-    def __init__(self, root: str | os.PathLike, *, direct: bool = True, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, *, direct: bool = True, fsync: bool = True, create: bool = True) -> None:
         self.root = Path(root).absolute()
         self.url = str(self.root)
         self.direct = direct
         self.fsync = fsync
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._warned: set[str] = set()
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
 
     def _abs(self, path: str) -> Path:
         return self.root / path if path else self.root
 
-    @contextlib.contextmanager
-    def _missing(self, path: str) -> Iterator[None]:
-        """A path below a file, or a directory where an object is expected, is a missing object."""
-        try:
-            yield
-        except (NotADirectoryError, IsADirectoryError):
-            raise FileNotFoundError(f"{self._abs(path)}: no such object") from None
+    def _skip(self, path: str) -> SymlinkSkipped:
+        """The error for a link at `path`, logged once per path."""
+        where = self._abs(path)
+        if path not in self._warned:
+            self._warned.add(path)
+            log.warning("checkpointing: skipping %s: a symbolic link (never followed; remove it if it is not meant to be there)", where)
+        return SymlinkSkipped(errno.ENOENT, f"{where}: a symbolic link, not followed (checkpointing never follows links below its root)")
 
-    def _sync_dir(self, path: Path) -> None:
-        if not self.fsync:
-            return
+    @contextlib.contextmanager
+    def _dir(self, path: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of directory `path` below the root, walked without following a link
+        (create: make the missing ones, each made durable in its parent before it is used)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:  # removed meanwhile (a collector emptied it): nothing to make durable
-            return
+            done: list[str] = []
+            for part in [p for p in path.split("/") if p]:
+                done.append(part)
+                old, fd = fd, -1
+                fd = self._step_into(old, part, "/".join(done), create)  # closes `old`
+            yield fd
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _step_into(self, fd: int, part: str, rel: str, create: bool) -> int:
+        """Open `part` in directory `fd` (closing `fd`): a directory, never a link."""
         try:
-            os.fsync(fd)
+            for _ in range(8):
+                try:
+                    return os.open(part, _DIR, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, 0o777, dir_fd=fd)
+                        if self.fsync:
+                            os.fsync(fd)  # the new directory's entry is durable before anything relies on it
+                    except FileExistsError:  # ranks sharing a tier race to create it
+                        pass
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise self._skip(rel) from None
+                    raise FileNotFoundError(errno.ENOENT, f"{self._abs(rel)}: not a directory") from None
+            raise FileNotFoundError(errno.ENOENT, f"{self._abs(rel)}: removed while being created")
+        finally:
+            os.close(fd)
+
+    def _split(self, path: str) -> tuple[str, str]:
+        parent, _, name = path.rpartition("/")
+        if not name:
+            raise FileNotFoundError(errno.ENOENT, f"{self._abs(path)}: no such object")
+        return parent, name
+
+    def _lstat(self, path: str) -> os.stat_result:
+        parent, name = self._split(path)
+        try:
+            with self._dir(parent) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except NotADirectoryError:
+            raise FileNotFoundError(errno.ENOENT, f"{self._abs(path)}: no such object") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise self._skip(path)
+        return st
+
+    @contextlib.contextmanager
+    def _open_read(self, path: str) -> Iterator[tuple[int, int]]:
+        """(fd, size) of the regular file `path`: never through a link, never blocking on a FIFO."""
+        parent, name = self._split(path)
+        try:
+            with self._dir(parent) as dfd:
+                fd = os.open(name, _READ, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._skip(path) from None
+            if isinstance(exc, (NotADirectoryError, IsADirectoryError)):
+                raise FileNotFoundError(errno.ENOENT, f"{self._abs(path)}: no such object") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise FileNotFoundError(errno.ENOENT, f"{self._abs(path)}: a directory, not an object")
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError(f"{self._abs(path)} is not a regular file (a FIFO, socket or device): "
+                                             "not read; remove it, the checkpoint directory holds only regular files")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            yield fd, st.st_size
         finally:
             os.close(fd)
 
     def _create(self, target: Path, flags: int) -> int:
         """Open a new file, creating its directory; a collector may remove an empty step directory
         between the mkdir and the open (tier/collect.py), so both are retried."""
+        parent, name = self._split(target.relative_to(self.root).as_posix())
         for attempt in range(8):
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                return os.open(target, flags, 0o644)
-            except (FileNotFoundError, FileExistsError) as exc:
-                if isinstance(exc, FileExistsError) and exc.filename != str(target.parent) or attempt == 7:
+                with self._dir(parent, create=True) as dfd:
+                    return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            except SymlinkSkipped:
+                raise
+            except FileNotFoundError:
+                if attempt == 7:
                     raise
         raise AssertionError("unreachable")
 
+    def _sync_dir(self, path: Path) -> None:
+        if not self.fsync:
+            return
+        try:
+            with self._dir(path.relative_to(self.root).as_posix()) as fd:
+                os.fsync(fd)
+        except FileNotFoundError:  # removed meanwhile (a collector emptied it): nothing to make durable
+            return
+
     def makedirs(self, path: str) -> None:
-        target = self._abs(path)
-        if not target.is_dir():
-            target.mkdir(parents=True, exist_ok=True)  # ranks sharing a tier race to create it
-            self._sync_dir(target.parent)
+        with self._dir(path, create=True):
+            pass
 
     def open_stream(self, path: str) -> "_LocalStream":
         return _LocalStream(self._abs(path), direct=self.direct, fsync=self.fsync, create=self._create)
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
-        target = self._abs(path)
+        parent, name = self._split(path)
         sync = self.fsync and durable
-        tmp = target.with_name(f"{target.name}.tmp-{new_token()}")
-        fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        tmp = f"{name}.tmp-{new_token()}"
+        fd = self._create(self._abs(f"{parent}/{tmp}" if parent else tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             view = memoryview(data)
             while view:
@@ -91,74 +191,101 @@ class LocalStorage:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        try:
-            if exclusive:
-                os.link(tmp, target)  # fails with EEXIST: never replaces a commit
-                tmp.unlink(missing_ok=True)  # done: the name is linked whatever happens to the temporary
-            else:
-                os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        if sync:
-            self._sync_dir(target.parent)
+        with self._dir(parent) as dfd:
+            try:
+                if exclusive:  # fails with EEXIST: never replaces a commit
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                else:
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)  # done or failed: the temporary goes either way
+            if sync:
+                os.fsync(dfd)
 
-    def get(self, path: str) -> bytes:
-        with self._missing(path):
-            return self._abs(path).read_bytes()
+    def get(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        with self._open_read(path) as (fd, size):
+            if max_bytes is not None and size > max_bytes:
+                raise base.too_large(self._abs(path), size, max_bytes)
+            chunks, left = [], size if max_bytes is None else max_bytes + 1
+            while left > 0:
+                b = os.read(fd, min(left, 1 << 24))
+                if not b:
+                    break
+                chunks.append(b)
+                left -= len(b)
+            data = b"".join(chunks)
+        if max_bytes is not None and len(data) > max_bytes:  # grew while being read
+            raise base.too_large(self._abs(path), len(data), max_bytes)
+        return data
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
-        with self._missing(path):
-            fd = os.open(self._abs(path), os.O_RDONLY)
-        try:
+        with self._open_read(path) as (fd, _):
             done = 0
             while done < len(buf):
                 n = os.preadv(fd, [buf[done:]], offset + done)
                 if n == 0:
                     raise EOFError(f"{self._abs(path)} ends at byte {offset + done}, {len(buf) - done} bytes short")
                 done += n
-        finally:
-            os.close(fd)
 
     def size(self, path: str) -> int:
-        with self._missing(path):
-            return self._abs(path).stat().st_size
+        st = self._lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise FileNotFoundError(errno.ENOENT, f"{self._abs(path)}: a directory, not an object")
+        return st.st_size
 
     def mtime(self, path: str) -> float:
-        with self._missing(path):
-            return self._abs(path).stat().st_mtime
+        return (self._lstat(path) if path else self.root.stat()).st_mtime
 
     def exists_with_size(self, path: str, nbytes: int) -> bool:
         return base.exists_with_size(self, path, nbytes)
 
     def list(self, prefix: str = "") -> list[str]:
+        """The names in directory `prefix`; links are left out (and reported once)."""
         try:
-            return sorted(os.listdir(self._abs(prefix)))
-        except FileNotFoundError:
+            with self._dir(prefix) as dfd, os.scandir(dfd) as it:
+                entries = [(e.name, e.is_symlink()) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        except NotADirectoryError:
-            return []
+        for name, link in entries:
+            if link:
+                self._skip(f"{prefix}/{name}" if prefix else name)
+        return sorted(name for name, link in entries if not link)
 
     def delete(self, path: str) -> None:
-        target = self._abs(path)
+        """Delete the object or directory tree `path`; a link there is left alone (never deleted through)."""
+        parent, name = self._split(path)
         try:
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
+            with self._dir(parent) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    self._skip(path)
+                    return
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(name, dir_fd=dfd)  # fd-based: unlinks links inside, never follows them
+                else:
+                    os.unlink(name, dir_fd=dfd)
+                if self.fsync:
+                    os.fsync(dfd)
         except (FileNotFoundError, NotADirectoryError):
             return
-        self._sync_dir(target.parent)
 
     def remove_dir(self, path: str) -> None:
-        target = self._abs(path)
+        parent, name = self._split(path)
         try:
-            os.rmdir(target)  # fails on a directory something was created in meanwhile: never recursive
-        except NotADirectoryError:
-            target.unlink(missing_ok=True)
+            with self._dir(parent) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    self._skip(path)
+                    return
+                if stat.S_ISDIR(st.st_mode):
+                    os.rmdir(name, dir_fd=dfd)  # fails on a directory something was created in meanwhile: never recursive
+                else:
+                    os.unlink(name, dir_fd=dfd)
+                if self.fsync:
+                    os.fsync(dfd)
         except OSError:  # missing, or not empty
             return
-        self._sync_dir(target.parent)
 
 
 class _LocalStream:

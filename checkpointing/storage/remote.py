@@ -188,10 +188,15 @@ class FsspecStorage:
                 return  # an earlier attempt of ours created it; only its response was lost
             raise
 
-    def get(self, path: str) -> bytes:
+    def get(self, path: str, *, max_bytes: int | None = None) -> bytes:
         ep = self.endpoint
-        kwargs = {"max_concurrency": 1} if self.is_s3 else {}  # s3fs: one GET, no HEAD first
-        return bytes(ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), **kwargs)))
+        kwargs: dict = {"max_concurrency": 1} if self.is_s3 else {}  # s3fs: one GET, no HEAD first
+        if max_bytes is not None and (n := self.size(path)) > max_bytes:  # a HEAD first: never GET a huge object whole
+            raise base.too_large(ep.where(path), n, max_bytes)
+        data = bytes(ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), **kwargs)))
+        if max_bytes is not None and len(data) > max_bytes:
+            raise base.too_large(ep.where(path), len(data), max_bytes)
+        return data
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Read len(buf) bytes at `offset`; a range larger than part_bytes is fetched as parallel ranged GETs."""

@@ -15,8 +15,14 @@ from checkpointing.errors import CheckpointCorruptError, CheckpointError, Checkp
 from checkpointing.format.decode import decode_commit, decode_manifest
 from checkpointing.format.manifest import CommitMarker, Manifest, encode_commit, encode_manifest, manifest_digest
 from checkpointing.storage import Storage
+from checkpointing.storage.local import SymlinkSkipped
+from checkpointing.storage.local import SymlinkSkipped
+from checkpointing.tier.tierfile import read_tier_id
 
 log = logging.getLogger("checkpointing")
+
+MAX_COMMIT_BYTES = 64 << 10  # a COMMIT marker is a few hundred bytes; anything larger is not one
+MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (a 4,000-shard one is a few MB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,18 +37,31 @@ def list_steps(storage: Storage) -> StepListing:
         step = naming.parse_step_dir(name)
         if step is None:
             continue
-        if naming.COMMIT_NAME in storage.list(name):
-            committed.append(step)
+        if naming.COMMIT_NAME in storage.list(name) or _linked(storage, naming.commit_name(step)):
+            committed.append(step)  # a linked COMMIT too: readers report it damaged, tidying leaves it alone
         else:
             incomplete.append(step)
     return StepListing(sorted(committed), sorted(incomplete))
+
+
+def _linked(storage: Storage, path: str) -> bool:
+    """Whether `path` is a symbolic link the storage refuses to follow (LocalStorage)."""
+    try:
+        storage.size(path)
+    except SymlinkSkipped:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def read_commit(storage: Storage, step: int) -> CommitMarker:
     path = naming.commit_name(step)
     where = f"{storage.url}/{path}"
     try:
-        data = storage.get(path)
+        data = storage.get(path, max_bytes=MAX_COMMIT_BYTES)
+    except SymlinkSkipped as exc:
+        raise CheckpointCorruptError(f"step {step}: {exc}; remove that step directory") from None
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (no {path})") from None
     marker = decode_commit(data, where)
@@ -51,6 +70,20 @@ def read_commit(storage: Storage, step: int) -> CommitMarker:
     if not marker.manifest.startswith(naming.step_dir(step) + "/"):
         raise ManifestError(f"{where} names manifest {marker.manifest!r} outside its step directory")
     return marker
+
+
+def unreadable_commit(storage: Storage, step: int) -> str | None:
+    """For a step listed as incomplete: why its COMMIT entry, present but no object (a symbolic
+    link, never followed), cannot be read; None when there is simply no COMMIT."""
+    try:
+        storage.size(naming.commit_name(step))
+    except SymlinkSkipped as exc:
+        return f"its COMMIT is not a regular file ({exc}): the step cannot be read; remove the step directory"
+    except FileNotFoundError:
+        return None
+    except (CheckpointError, OSError) as exc:
+        return f"its COMMIT cannot be read ({exc})"
+    return None
 
 
 def load_manifest(storage: Storage, step: int) -> Manifest:
@@ -63,7 +96,7 @@ def committed_manifest(storage: Storage, step: int) -> tuple[Manifest, str]:
     marker = read_commit(storage, step)
     where = f"{storage.url}/{marker.manifest}"
     try:
-        data = storage.get(marker.manifest)
+        data = storage.get(marker.manifest, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"step {step}: manifest {where} named by COMMIT is missing") from None
     digest = manifest_digest(data)
@@ -88,9 +121,29 @@ def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> str:
     """commit() for a manifest already encoded (every tier stores the very same bytes)."""
     path = naming.manifest_name(step, token)
     storage.put(path, data)
+    check_files(storage, decode_manifest(data, f"step {step} manifest"))  # the last moment before COMMIT
     marker = CommitMarker(step, path, manifest_digest(data))
     storage.put(naming.commit_name(step), encode_commit(marker), exclusive=True)
     return marker.manifest_digest
+
+
+def check_files(storage: Storage, manifest: Manifest) -> None:
+    """Before a COMMIT: every data file the manifest places on this tier is there with its size
+    (another process may have deleted one under the writer); else the step must not commit."""
+    tier = read_tier_id(storage)
+    for f in manifest.files:
+        if tier is not None and f.tier != tier:
+            continue
+        try:
+            found: int | None = storage.size(f.path)
+        except FileNotFoundError:
+            found = None
+        if found != f.nbytes:
+            what = "is missing" if found is None else f"has {found} bytes, not {f.nbytes}"
+            raise CheckpointCorruptError(
+                f"step {manifest.step} was not committed: its data file {storage.url}/{f.path} {what} (deleted or changed "
+                "while it was written: is another process using this directory?); the step is left uncommitted, save again"
+            )
 
 
 def committed_digest(storage: Storage, step: int) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 
+from checkpointing.errors import CheckpointError
 from checkpointing.storage import Storage
 
 TIER_FILE = "TIER"
@@ -15,7 +16,7 @@ TIER_FILE = "TIER"
 def read_tier_id(storage: Storage) -> str | None:
     """The id stored in `storage`, or None for a tier without one (remote: every primary copy)."""
     try:
-        return storage.get(TIER_FILE).decode("ascii").strip()
+        return storage.get(TIER_FILE, max_bytes=4096).decode("ascii").strip()
     except (FileNotFoundError, UnicodeDecodeError):
         return None
 
@@ -29,4 +30,7 @@ def ensure_tier_id(storage: Storage) -> str:
         storage.put(TIER_FILE, secrets.token_hex(8).encode("ascii"), exclusive=True)
     except FileExistsError:  # another rank on this tier created it first
         pass
-    return storage.get(TIER_FILE).decode("ascii").strip()
+    try:
+        return storage.get(TIER_FILE, max_bytes=4096).decode("ascii").strip()
+    except (FileNotFoundError, UnicodeDecodeError) as exc:  # a link there (never followed), or not an id
+        raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id ({exc}): remove it") from None

@@ -1,4 +1,9 @@
-"""Check every byte of committed steps against their digests, without restoring them (I/O)."""
+"""Check every byte of committed steps against their digests, without restoring them (I/O).
+
+Memory is bounded whatever the manifest says: a chunk is read and hashed in pieces of at most
+PIECE_BYTES, and a chunk that reaches past the end of its file (the real size, asked first) is
+reported without reading it.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import dataclasses
 from checkpointing.tier import catalog
 from checkpointing.errors import CheckpointError
 from checkpointing.tier.tierfile import read_tier_id
-from checkpointing.format.manifest import chunk_digest
+from checkpointing.format.manifest import ChunkHasher, ChunkRef
 from checkpointing.storage import Storage
+
+PIECE_BYTES = 8 << 20  # the most verify holds of one chunk at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +46,7 @@ def verify_step(storage: Storage, step: int) -> StepReport:
     tier_of = {f.path: f.tier for f in manifest.files}
     problems: list[str] = []
     checked = elsewhere = 0
-    buf = bytearray()
+    reader = _ChunkReader(storage)
     for entry in manifest.tensors:
         for shard in entry.shards:
             if here is None:
@@ -51,19 +58,55 @@ def verify_step(storage: Storage, step: int) -> StepReport:
                     continue
             for copy in copies:
                 for c in copy:
-                    if len(buf) < c.length:
-                        buf = bytearray(c.length)
-                    view = memoryview(buf)[: c.length]
                     where = f"step {step}, tensor {entry.key!r}, {c.file} bytes {c.offset}..{c.offset + c.length}"
-                    try:
-                        storage.read_into(c.file, c.offset, view)
-                    except FileNotFoundError:
-                        problems.append(f"{where}: file missing")
-                        continue
-                    except EOFError:
-                        problems.append(f"{where}: file truncated")
-                        continue
-                    if chunk_digest(view) != c.digest:
-                        problems.append(f"{where}: digest mismatch (damaged bytes)")
-                    checked += c.length
+                    problem = reader.check(c)
+                    if problem:
+                        problems.append(f"{where}: {problem}")
+                    else:
+                        checked += c.length
     return StepReport(step, len(manifest.tensors), checked, tuple(problems), elsewhere)
+
+
+class _ChunkReader:
+    """Reads chunks in bounded pieces; remembers each file's real size."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.sizes: dict[str, int | str] = {}  # file -> its size, or why it cannot be read
+        self.buf = bytearray(0)
+
+    def _size(self, file: str) -> int | str:
+        if file not in self.sizes:
+            try:
+                self.sizes[file] = self.storage.size(file)
+            except FileNotFoundError:
+                self.sizes[file] = "file missing"
+            except (CheckpointError, OSError) as exc:
+                self.sizes[file] = f"cannot be read ({exc})"
+        return self.sizes[file]
+
+    def check(self, c: ChunkRef) -> str | None:
+        """None when the chunk's bytes match its digest, else what is wrong."""
+        size = self._size(c.file)
+        if isinstance(size, str):
+            return size
+        if c.offset + c.length > size:
+            return f"file truncated (it has {size} bytes)"
+        hasher = ChunkHasher()
+        done = 0
+        while done < c.length:
+            n = min(PIECE_BYTES, c.length - done)
+            if len(self.buf) < n:
+                self.buf = bytearray(n)
+            view = memoryview(self.buf)[:n]
+            try:
+                self.storage.read_into(c.file, c.offset + done, view)
+            except FileNotFoundError:
+                return "file missing"
+            except EOFError:
+                return "file truncated"
+            except (CheckpointError, OSError) as exc:
+                return f"cannot be read ({exc})"
+            hasher.update(view)
+            done += n
+        return None if hasher.digest() == c.digest else "digest mismatch (damaged bytes)"

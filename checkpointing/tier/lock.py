@@ -1,0 +1,121 @@
+"""The writer lock of a local tier: one writing process (a job's leader rank of that tier) at a time (I/O).
+
+The lock is `fcntl.flock(LOCK_EX)` on the file `WRITER` in the tier's root, taken without waiting and
+held for the writer's lifetime; the kernel drops it when the process dies (a SIGKILLed job leaves no
+stale lock). The file's content (JSON: pid, host, since) names the holder for the error a second
+writer gets; it is only informative, the flock is the lock. Readers (listing, restore, the CLI's
+read-only commands) never take it. Within one process a second manager on the same directory shares
+the lock (reference-counted) and does not tidy (`first` is False).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+from checkpointing.errors import CheckpointError, DirectoryLockedError
+
+LOCK_NAME = "WRITER"
+_HELD: dict[tuple[int, int], "WriterLock"] = {}
+_GUARD = threading.Lock()
+
+
+class WriterLock:
+    """A held writer lock; release() once per acquire()."""
+
+    def __init__(self, fd: int, key: tuple[int, int], path: Path) -> None:
+        self.fd, self.key, self.path, self.count, self.first = fd, key, path, 1, True
+
+    def release(self) -> None:
+        with _GUARD:
+            self.count -= 1
+            if self.count > 0 or self.fd < 0:
+                return
+            _HELD.pop(self.key, None)
+            fd, self.fd = self.fd, -1
+        os.close(fd)  # drops the flock
+
+
+def acquire(root: Path, *, purpose: str = "a CheckpointManager") -> WriterLock:
+    """Take the writer lock of the tier at `root` (DirectoryLockedError naming the holder if taken)."""
+    path = root / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # a link there (never followed), or the directory is read-only
+        raise CheckpointError(f"cannot open the writer lock {path}: {exc}; it must be a regular file in a writable directory "
+                              "(remove a link or anything else there)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path} is not a regular file: remove it (it is the checkpoint directory's writer lock)")
+        key = (st.st_dev, st.st_ino)
+        with _GUARD:
+            held = _HELD.get(key)
+            if held is not None and held.fd >= 0:  # this process holds it already (another manager here)
+                held.count += 1
+                os.close(fd)
+                return _Shared(held)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                raise DirectoryLockedError(_locked_message(root, _holder(fd), purpose)) from None
+            _describe(fd)
+            lock = _HELD[key] = WriterLock(fd, key, path)
+            return lock
+    except BaseException:
+        if fd not in [h.fd for h in _HELD.values()]:
+            os.close(fd)
+        raise
+
+
+class _Shared(WriterLock):
+    """A second manager of this process on a directory whose lock the process holds already."""
+
+    def __init__(self, held: WriterLock) -> None:
+        self.held, self.first, self.done = held, False, False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.held.release()
+
+
+def _describe(fd: int) -> None:
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "since_unix": round(time.time(), 3)}
+    data = (json.dumps(info, sort_keys=True) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+        return f"process {int(info['pid'])} on host {str(info['host'])[:100]!r} since {str(info['since'])[:40]}"
+    except (ValueError, KeyError, TypeError, OSError):
+        return "another process (its lock file does not say which)"
+
+
+def _locked_message(root: Path, holder: str, purpose: str) -> str:
+    return (f"cannot open {root} for writing with {purpose}: {holder} writes it (it holds {root / LOCK_NAME}). "
+            "Two writers would delete each other's saves in flight. Stop that process, or give this one its own "
+            "directory; to only read the checkpoints use the CLI (checkpointing ls/inspect/verify/export) or a "
+            "manager in the process that writes them")
+
+
+class NotHeld:
+    """What a rank holds whose tier's leader holds the lock for it: nothing to release."""
+
+    first = False
+
+    def release(self) -> None:
+        pass

@@ -1,0 +1,153 @@
+"""What save() accepts and what loading runs: lazy views, unsupported layouts, PickleCodec's allowlist."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import pickle
+
+import pytest
+import torch
+
+from checkpointing import CheckpointError, CheckpointManager, PickleCodec, StateError
+from checkpointing.state.tree import flatten_state
+
+
+@dataclasses.dataclass
+class Config:
+    name: str
+    extra: object = None
+
+
+@dataclasses.dataclass
+class Other:
+    value: int
+
+
+class Exploit:
+    """Unpickling this runs a shell command (what a tampered checkpoint would hold)."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/checkpointing-pickle-exploit-ran",))
+
+
+def test_conj_and_neg_views_round_trip_as_their_values(tmp_path):
+    z = torch.tensor([1 + 2j, 3 - 4j, -5j], dtype=torch.complex64)
+    x = torch.tensor([1.0, -2.0, 3.0])
+    state = {"conj": z.conj(), "neg": torch._neg_view(x), "both": torch._neg_view(z).conj()}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state).wait()
+        plain = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in state.items()}
+        assert mgr.restore(plain) == 1
+        for k in state:
+            assert torch.equal(plain[k], expected[k]), k
+        # into lazy views as targets: they read back as the saved values too
+        views = {"conj": torch.zeros(3, dtype=torch.complex64).conj(), "neg": torch._neg_view(torch.zeros(3)),
+                 "both": torch._neg_view(torch.zeros(3, dtype=torch.complex64)).conj()}
+        assert mgr.restore(views) == 1
+        for k in state:
+            assert torch.equal(views[k].resolve_conj().resolve_neg(), expected[k]), k
+
+
+def test_a_conj_view_is_copied_at_save_time(tmp_path):
+    z = torch.tensor([1 + 1j, 2 + 2j])
+    with CheckpointManager(tmp_path) as mgr:
+        h = mgr.save(1, {"c": z.conj()})
+        z.mul_(10)  # changed right after save() returned, outside any optimizer step
+        h.wait()
+        out = {"c": torch.zeros(2, dtype=z.dtype)}
+        mgr.restore(out)
+    assert torch.equal(out["c"], torch.tensor([1 - 1j, 2 - 2j]))
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), ["nested", "unbind"]),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged), ["nested", "unbind"]),
+        (lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8), ["quantized", "dequantize"]),
+        (lambda: torch.eye(3).to_sparse(), ["sparse", "to_dense"]),
+        (lambda: torch.empty(2, device="meta"), ["meta", "materialize"]),
+    ],
+    ids=["nested", "jagged", "quantized", "sparse", "meta"],
+)
+def test_unsupported_layouts_are_refused_at_save_naming_key_and_remedy(tmp_path, make, words):
+    value = make()
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateError) as info:
+            mgr.save(1, {"outer": {"t": value}})
+        assert mgr.steps() == []
+    message = str(info.value)
+    assert "outer/t" in message
+    for word in words:
+        assert word in message, message
+    assert "Internal error" not in message
+
+
+def test_pickle_codec_round_trips_allowed_types(tmp_path):
+    codec = PickleCodec(Config, Other)
+    value = Config("gpt", extra=[Other(3), {1, 2}])
+    with CheckpointManager(tmp_path, codecs=[codec]) as mgr:
+        mgr.save(1, {"cfg": value}).wait()
+        out = {"cfg": None}
+        mgr.restore(out)
+    assert out["cfg"] == value
+
+
+def test_pickle_codec_refuses_at_save_a_value_holding_another_type():
+    with pytest.raises(StateError, match="Other"):
+        flatten_state({"cfg": Config("gpt", extra=Other(1))}, codecs=(PickleCodec(Config),))
+
+
+def test_pickle_codec_never_runs_a_tampered_pickle():
+    marker = "/tmp/checkpointing-pickle-exploit-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    codec = PickleCodec(Config)
+    tampered = base64.b64encode(pickle.dumps(Exploit())).decode("ascii")
+    with pytest.raises(CheckpointError, match="system"):
+        codec.decode(tampered)
+    assert not os.path.exists(marker)
+    with pytest.raises(CheckpointError, match="base64"):
+        codec.decode("not base64 !")
+    with pytest.raises(CheckpointError, match="damaged"):
+        codec.decode(base64.b64encode(b"\x80\x05garbage").decode("ascii"))
+
+
+def test_a_tampered_checkpoint_does_not_run_code_on_restore(tmp_path):
+    """The manifest's codec data replaced by a pickle that runs a command: restore refuses it."""
+    marker = "/tmp/checkpointing-pickle-exploit-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    codec = PickleCodec(Config)
+    with CheckpointManager(tmp_path, codecs=[codec]) as mgr:
+        mgr.save(1, {"cfg": Config("a")}).wait()
+    good = codec.encode(Config("a"))
+    evil = base64.b64encode(pickle.dumps(Exploit())).decode("ascii")
+    _rewrite_manifest(tmp_path, 1, good, evil)
+    with CheckpointManager(tmp_path, codecs=[codec]) as mgr:
+        with pytest.raises(CheckpointError):
+            mgr.restore({"cfg": None})
+    assert not os.path.exists(marker)
+
+
+def _rewrite_manifest(root, step, old: str, new: str) -> None:
+    """Replace a string in a committed step's manifest and re-seal its COMMIT (a tamperer can do the same)."""
+    import hashlib
+    import json
+
+    from checkpointing.format.manifest import canonical_json
+
+    step_dir = root / f"step-{step:010d}"
+    manifest = next(step_dir.glob("manifest.*.json"))
+    data = manifest.read_bytes().replace(old.encode(), new.encode())
+    assert data != manifest.read_bytes()
+    manifest.chmod(0o644)
+    manifest.write_bytes(data)
+    commit = step_dir / "COMMIT"
+    marker = json.loads(commit.read_bytes())
+    marker["manifest_digest"] = "sha256:" + hashlib.sha256(data).hexdigest()
+    commit.chmod(0o644)
+    commit.write_bytes(canonical_json(marker))
