@@ -39,19 +39,14 @@ log = logging.getLogger("checkpointing")
 def commit_remote(local: Storage, remote: Storage, manifest: Manifest) -> None:
     """Check the step's data objects are on the remote tier (whole), then write its manifest and COMMIT there."""
     step = manifest.step
-    for f in manifest.files:
-        if f.primary_bytes == 0:
-            continue
-        try:
-            size = remote.size(f.path)
-        except FileNotFoundError:
-            size = None
-        if size != f.primary_bytes:
-            found = "missing" if size is None else f"{size} bytes"
-            raise CheckpointError(
-                f"step {step}: data object {remote.url}/{f.path} is {found}, {f.primary_bytes} expected "
-                f"(rank {f.rank}'s upload is incomplete, or something deleted it); not committing the step there"
-            )
+    rank_of_file = {f.path: f.rank for f in manifest.files}
+    primary = [(f.path, f.primary_bytes) for f in manifest.files if f.primary_bytes]
+    for path, size, expected in catalog.size_mismatches(remote, primary):
+        found = "missing" if size is None else f"{size} bytes"
+        raise CheckpointError(
+            f"step {step}: data object {remote.url}/{path} is {found}, {expected} expected "
+            f"(rank {rank_of_file[path]}'s upload is incomplete, or something deleted it); not committing the step there"
+        )
     catalog.copy_commit(local, remote, step)
 
 

@@ -254,38 +254,34 @@ class LocalStorage:
 
     def delete(self, path: str) -> None:
         """Delete the object or directory tree `path`; a link there is left alone (never deleted through)."""
-        parent, name = self._split(path)
         try:
-            with self._dir(parent) as dfd:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if stat.S_ISLNK(st.st_mode):
-                    self._skip(path)
-                    return
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(name, dir_fd=dfd)  # fd-based: unlinks links inside, never follows them
-                else:
-                    os.unlink(name, dir_fd=dfd)
-                if self.fsync:
-                    os.fsync(dfd)
+            self._remove(path, recursive=True)
         except (FileNotFoundError, NotADirectoryError):
             return
 
     def remove_dir(self, path: str) -> None:
-        parent, name = self._split(path)
         try:
-            with self._dir(parent) as dfd:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if stat.S_ISLNK(st.st_mode):
-                    self._skip(path)
-                    return
-                if stat.S_ISDIR(st.st_mode):
-                    os.rmdir(name, dir_fd=dfd)  # fails on a directory something was created in meanwhile: never recursive
-                else:
-                    os.unlink(name, dir_fd=dfd)
-                if self.fsync:
-                    os.fsync(dfd)
+            self._remove(path, recursive=False)
         except OSError:  # missing, or not empty
             return
+
+    def _remove(self, path: str, *, recursive: bool) -> None:
+        """Unlink `path` (a directory: with its tree when `recursive`, else only if empty) through
+        descriptors, never following a link; the parent is fsynced after."""
+        parent, name = self._split(path)
+        with self._dir(parent) as dfd:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                self._skip(path)
+                return
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=dfd)
+            elif recursive:
+                shutil.rmtree(name, dir_fd=dfd)  # fd-based: unlinks links inside, never follows them
+            else:
+                os.rmdir(name, dir_fd=dfd)  # fails on a directory something was created in meanwhile
+            if self.fsync:
+                os.fsync(dfd)
 
 
 class _LocalStream:

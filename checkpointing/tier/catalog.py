@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Iterable, Iterator
 
 from checkpointing.format import naming
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CommitConflictError, ManifestError
 from checkpointing.format.decode import decode_commit, decode_manifest
 from checkpointing.format.manifest import CommitMarker, Manifest, encode_commit, encode_manifest, manifest_digest
 from checkpointing.storage import Storage
-from checkpointing.storage.local import SymlinkSkipped
 from checkpointing.storage.local import SymlinkSkipped
 from checkpointing.tier.tierfile import read_tier_id
 
@@ -131,19 +131,23 @@ def check_files(storage: Storage, manifest: Manifest) -> None:
     """Before a COMMIT: every data file the manifest places on this tier is there with its size
     (another process may have deleted one under the writer); else the step must not commit."""
     tier = read_tier_id(storage)
-    for f in manifest.files:
-        if tier is not None and f.tier != tier:
-            continue
+    for path, found, expected in size_mismatches(storage, [(f.path, f.nbytes) for f in manifest.files if tier is None or f.tier == tier]):
+        what = "is missing" if found is None else f"has {found} bytes, not {expected}"
+        raise CheckpointCorruptError(
+            f"step {manifest.step} was not committed: its data file {storage.url}/{path} {what} (deleted or changed "
+            "while it was written: is another process using this directory?); the step is left uncommitted, save again"
+        )
+
+
+def size_mismatches(storage: Storage, expected: Iterable[tuple[str, int]]) -> Iterator[tuple[str, int | None, int]]:
+    """(path, size found or None when missing, size expected) for each object that does not have its expected size."""
+    for path, nbytes in expected:
         try:
-            found: int | None = storage.size(f.path)
+            found: int | None = storage.size(path)
         except FileNotFoundError:
             found = None
-        if found != f.nbytes:
-            what = "is missing" if found is None else f"has {found} bytes, not {f.nbytes}"
-            raise CheckpointCorruptError(
-                f"step {manifest.step} was not committed: its data file {storage.url}/{f.path} {what} (deleted or changed "
-                "while it was written: is another process using this directory?); the step is left uncommitted, save again"
-            )
+        if found != nbytes:
+            yield path, found, nbytes
 
 
 def committed_digest(storage: Storage, step: int) -> str | None:
