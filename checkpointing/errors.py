@@ -48,6 +48,10 @@ class CheckpointUploadError(CheckpointSaveError):
         )
 
 
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A wait for a save (handle.wait/result/exception, mgr.wait) ran out of its timeout; the save goes on."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """Stored bytes do not match what the manifest promises (bit rot, truncation, tampering)."""
 

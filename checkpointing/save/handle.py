@@ -2,15 +2,25 @@
 
 The handle holds its job (save/job.py) and the one thing it needs from around it: `stall`, where
 the time wait_staged() blocks the training thread is accounted (SaveAccounting.stall).
+
+It is also a future as the ecosystem expects (`concurrent.futures.Future`, what DCP's async_save
+returns): `result(timeout)`, `exception(timeout)`, `done()`, `add_done_callback(fn)`, and `cancel()`
+(a save cannot be cancelled: False). `result()`/`exception()` give the save's error every time they
+are called; it then counts as reported, so the next save() or wait() does not raise it again.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from typing import Callable
 
-from checkpointing.errors import CheckpointError
+from checkpointing.errors import CheckpointSaveError, CheckpointTimeoutError
 from checkpointing.observe.metrics import SaveStats
 from checkpointing.save.job import SaveJob, Stall
+
+log = logging.getLogger("checkpointing")
 
 
 class SaveHandle:
@@ -36,18 +46,82 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until the step is durable on every configured tier; return its SaveStats or raise its error."""
+        self._wait_done(timeout)
+        self._job.raise_error()
+        if self._job.upload is not None:
+            self._job.upload.raise_error()
+        return self._job_stats()
+
+    def result(self, timeout: float | None = None) -> SaveStats:
+        """The SaveStats once durable on every configured tier; the save's error (each call) if it failed;
+        CheckpointTimeoutError (a TimeoutError) if neither happened within `timeout` seconds."""
+        self._wait_done(timeout)
+        error = self._failure()
+        if error is not None:
+            raise error
+        return self._job_stats()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error once it finished (None if it succeeded); CheckpointTimeoutError as result()."""
+        self._wait_done(timeout)
+        return self._failure()
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], object]) -> None:
+        """Call `fn(handle)` once the save is durable on every tier or failed: at once (on this thread)
+        if it is already, else on a background thread. An exception from `fn` is logged, not raised."""
+        if self.done():
+            self._call(fn)
+            return
+        threading.Thread(target=self._call_when_done, args=(fn,), name=f"ckpt-callback-{self.step}", daemon=True).start()
+
+    def cancel(self) -> bool:
+        """A save cannot be cancelled once issued: always False (as a running Future)."""
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return not self.done()
+
+    def _wait_done(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._job.outcome.done.wait(timeout):
-            raise CheckpointError(f"step {self.step} is not durable after {timeout} s; call wait() again or raise the timeout")
-        self._job.raise_error()
+            raise CheckpointTimeoutError(f"step {self.step} is not durable after {timeout} s; call wait() again or raise the timeout")
         upload = self._job.upload
-        if upload is not None:
+        if upload is not None and not self._job.outcome.error:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not upload.done.wait(left):
-                raise CheckpointError(f"step {self.step} is committed locally but not yet on the remote tier after {timeout} s; "
-                                      "call wait() again or raise the timeout")
-            upload.raise_error()
-        return self._job_stats()
+                raise CheckpointTimeoutError(f"step {self.step} is committed locally but not yet on the remote tier after "
+                                             f"{timeout} s; call wait() again or raise the timeout")
+
+    def _failure(self) -> BaseException | None:
+        """The finished save's error (or its upload's), marked reported; None when it succeeded."""
+        outcome, upload = self._job.outcome, self._job.upload
+        if outcome.error is not None:
+            outcome.error_reported = True
+            if isinstance(outcome.error, CheckpointSaveError):
+                return outcome.error
+            error = CheckpointSaveError(self.step, outcome.error)
+            error.__cause__ = outcome.error
+            return error
+        if upload is not None and upload.error is not None:
+            upload.error_reported = True
+            return upload.error
+        return None
+
+    def _call_when_done(self, fn: Callable[["SaveHandle"], object]) -> None:
+        try:
+            self._wait_done(None)
+        except Exception:  # noqa: BLE001 - cannot happen without a timeout; the callback runs regardless
+            pass
+        self._call(fn)
+
+    def _call(self, fn: Callable[["SaveHandle"], object]) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - a user callback must not kill our thread or the caller's save
+            log.exception("checkpointing: a done callback of the save of step %d raised", self.step)
 
     def _job_stats(self) -> SaveStats:
         assert self._job.outcome.stats is not None

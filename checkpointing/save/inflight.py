@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from checkpointing.errors import CheckpointError
+from checkpointing.errors import CheckpointTimeoutError
 from checkpointing.save.job import SaveJob, Stall, UploadJob
 
 
@@ -63,13 +63,13 @@ class InFlight:
         job = self.current
         if job is not None:
             if not job.outcome.done.wait(timeout):
-                raise CheckpointError(f"step {job.step} is not durable after {timeout} s; call wait() again or raise the timeout")
+                raise CheckpointTimeoutError(f"step {job.step} is not durable after {timeout} s; call wait() again or raise the timeout")
             job.raise_error()
         uploads = list(self.uploads)
         for up in uploads:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not up.done.wait(left):
-                raise CheckpointError(f"step {up.step} is not on the remote tier after {timeout} s; call wait() again or raise the timeout")
+                raise CheckpointTimeoutError(f"step {up.step} is not on the remote tier after {timeout} s; call wait() again or raise the timeout")
         self.uploads = [u for u in self.uploads if u not in uploads]
         for up in uploads:
             up.raise_error()
