@@ -182,14 +182,18 @@ def truncated_pack(root: Path, outside: Path) -> None:
         f.truncate(100)
 
 
-def flipped_bit(root: Path, outside: Path) -> None:
-    pack = pack_path(root)
-    pack.chmod(0o644)
-    with open(pack, "r+b") as f:
-        f.seek(5)
+def flip_bits(path: Path, offset: int, mask: int = 0x10) -> None:
+    """XOR the byte at `offset` of a real file with `mask` (what a rotting disk does to a chunk)."""
+    path.chmod(0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(5)
-        f.write(bytes([byte[0] ^ 0x10]))
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+def flipped_bit(root: Path, outside: Path) -> None:
+    flip_bits(pack_path(root), 5)
 
 
 def manifest_not_json(root: Path, outside: Path) -> None:

@@ -145,12 +145,6 @@ def test_verify_reads_a_chunk_in_bounded_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "PIECE_BYTES", 4096)
     storage = LocalStorage(root, direct=False, create=False)
     assert verify.verify_step(storage, 1).ok
-    pack = hostile.pack_path(root, 1)
-    pack.chmod(0o644)
-    with open(pack, "r+b") as f:
-        f.seek(300_000)
-        b = f.read(1)
-        f.seek(300_000)
-        f.write(bytes([b[0] ^ 1]))
+    hostile.flip_bits(hostile.pack_path(root, 1), 300_000, 1)
     report = verify.verify_step(storage, 1)
     assert not report.ok and "digest mismatch" in report.problems[0]

@@ -21,6 +21,7 @@ import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hostile import flip_bits
 from _models import assert_tree_equal, child_env, clone_tree, step_dir_name
 from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointSaveError
 from checkpointing.tier import catalog
@@ -134,14 +135,6 @@ def assert_all_verify(storage) -> None:
     for s in committed(storage):
         report = verify_step(storage, s)
         assert report.ok, f"step {s}: {report.problems}"
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 # ----------------------------------------------------------------------------- 1. property: saves, changes, deletions
@@ -835,7 +828,7 @@ def test_damaged_shared_chunk_is_reported_for_every_step_using_it(tmp_path, run_
     code, out = run_cli("verify", str(ck))
     assert code == 0, out
 
-    flip_byte(ck / chunk.file, chunk.offset + chunk.length // 2)
+    flip_bits(ck / chunk.file, chunk.offset + chunk.length // 2)
     code, out = run_cli("verify", str(ck))
     assert code == 1, out
     for s in users:

@@ -7,7 +7,6 @@ Real pack files with real flipped bits; the selection rule (plan/scrub.py) as a 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hostile import flip_bits
 from _models import assert_tree_equal, clone_tree
 from checkpointing import CheckpointConfigError, CheckpointCorruptError, CheckpointManager
 from checkpointing.format import naming
@@ -154,14 +154,6 @@ def all_refs(storage, step) -> set[tuple[str, int]]:
     return {(c.file, c.offset) for t in m.tensors for s in t.shards for c in s.chunks}
 
 
-def flip_bit(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x04]))
-
-
 def victim_of(storage, step: int) -> ChunkRef:
     """A chunk of base.1.weight that `step` borrows from step 1's pack."""
     refs = refs_of(storage, step, "base.1.weight")
@@ -180,7 +172,7 @@ def test_a_flipped_bit_in_a_borrowed_chunk_is_found_within_every_saves_and_rewri
         with CheckpointManager(ck, keep_local=None, chunk_bytes=CHUNK, reverify_every=every) as mgr:
             snaps = save_steps(mgr, net, opt, gen, [1, 2])  # step 2 borrows the frozen base from step 1's pack
             victim = victim_of(storage, 2)
-            flip_bit(ck / victim.file, victim.offset + 1000)
+            flip_bits(ck / victim.file, victim.offset + 1000)
             snaps.update(save_steps(mgr, net, opt, gen, range(3, 3 + every + 2)))
             stats = {s.step: s for s in mgr.stats()}
             newest = 3 + every + 1
@@ -225,7 +217,7 @@ def test_a_restore_that_fell_back_to_the_remote_tier_is_not_the_next_base(tmp_pa
         snaps = save_steps(mgr, net, opt, gen, [1, 2])
         mgr.wait()
     victim = victim_of(storage, 2)
-    flip_bit(ck / victim.file, victim.offset + 7)
+    flip_bits(ck / victim.file, victim.offset + 7)
     net2, opt2 = frozen_run(seed=5)
     with CheckpointManager(ck, remote=remote, keep_local=None, chunk_bytes=CHUNK) as mgr:
         state = state_of(net2, opt2, -1)
@@ -253,7 +245,7 @@ def test_a_restore_that_found_damage_leaves_no_base(tmp_path):
     with CheckpointManager(ck, keep_local=None, chunk_bytes=CHUNK) as mgr:
         snaps = save_steps(mgr, net, opt, gen, [1, 2])
         victim = victim_of(storage, 2)
-        flip_bit(ck / victim.file, victim.offset + 3)
+        flip_bits(ck / victim.file, victim.offset + 3)
         with pytest.raises(CheckpointCorruptError):
             mgr.restore(state_of(*frozen_run(seed=9), -1), step=2)
         snaps.update(save_steps(mgr, net, opt, gen, [3]))
@@ -275,7 +267,7 @@ def test_the_bound_holds_when_saves_come_back_to_back(tmp_path):
     with CheckpointManager(ck, keep_local=None, chunk_bytes=CHUNK, reverify_every=every) as mgr:
         snaps = save_steps(mgr, net, opt, gen, [1, 2])
         victim = victim_of(storage, 2)
-        flip_bit(ck / victim.file, victim.offset + 2000)
+        flip_bits(ck / victim.file, victim.offset + 2000)
         for step in range(3, 3 + every + 1):
             mgr.save(step, state_of(net, opt, step))  # no training, no wait: the same bytes, saved back to back
         mgr.wait()

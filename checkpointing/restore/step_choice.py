@@ -47,7 +47,7 @@ def choose_step(
     codecs: tuple[Codec, ...],
 ) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
     """The step to restore (None: nothing committed) and, per readable step, its plan and sources."""
-    found = _readable_steps(state, step, strict, local=local, remote=remote, remote_steps=remote_steps, coord=coord, codecs=codecs)
+    found = _readable_steps(state, step, strict, _Tiers(local, remote, frozenset(remote_steps), coord, codecs))
     plans, error = found.plans, found.error
     if coord.world_size == 1:
         if error is not None:
@@ -65,18 +65,20 @@ def choose_step(
     return chosen, plans
 
 
-def _readable_steps(
-    state: Mapping[str, Any],
-    step: int | None,
-    strict: bool,
-    *,
-    local: LocalStorage,
-    remote: Storage | None,
-    remote_steps: set[int],
-    coord: Coordinator,
-    codecs: tuple[Codec, ...],
-) -> _Readable:
+@dataclasses.dataclass(frozen=True)
+class _Tiers:
+    """Where the candidates are: this rank's local tier, the remote tier and the steps committed there."""
+
+    local: LocalStorage
+    remote: Storage | None
+    remote_steps: frozenset[int]
+    coord: Coordinator
+    codecs: tuple[Codec, ...]
+
+
+def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool, tiers: _Tiers) -> _Readable:
     """Plan the candidates, newest first (only `step` when given); with one rank and no `step`, stop at the first readable one."""
+    local, remote, remote_steps, coord, codecs = tiers.local, tiers.remote, tiers.remote_steps, tiers.coord, tiers.codecs
     rank, world_size = coord.rank, coord.world_size
     local_steps = set(catalog.list_steps(local).committed)
     committed = local_steps | remote_steps
