@@ -2,7 +2,8 @@
 
     python bench/bench_dist.py commit        # commit time at 1, 2, 4, 8 ranks, small sharded state
     python bench/bench_dist.py sharded       # 2 ranks, a sharded state: per-rank stall and time to commit
-    python bench/bench_dist.py all --md      # both, as markdown for docs/benchmarks.md
+    python bench/bench_dist.py mesh2d        # 4 ranks, FSDP2 over tensor parallel on a 2x2 (dp, tp) mesh: the same
+    python bench/bench_dist.py all --md      # all three, as markdown for docs/benchmarks.md
 
 Every rank prints its own numbers; the table shows the slowest rank (what the job waits for).
 """
@@ -188,13 +189,180 @@ def bench_sharded(root: str, total_bytes: int, steps: int, every: int, compute: 
     return summary
 
 
+# ----------------------------------------------------------------------------- 2-D parallel: FSDP2 over tensor parallel
+
+MESH2D = {"vocab": 16384, "dim": 512, "n_heads": 8, "n_layers": 4, "ffn_hidden": 1536, "batch": 4, "seq": 64}
+
+
+def _example_2d():
+    """examples/train_2d.py as a module: the bench lays out its model exactly as the example does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_2d", Path(__file__).resolve().parent.parent / "examples" / "train_2d.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def mesh2d_job(world: int, sizes: dict):
+    """The example's llama-shaped model at `sizes`, parallelized on a (2, world/2) (dp, tp) mesh: TP then
+    fully_shard per block and on the root; its AdamW; and a training step (rows of a seeded global batch per dp rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ex = _example_2d()
+    args = type("Sizes", (ex.Args,), dict(sizes))
+    torch.manual_seed(0)
+    model = ex.Transformer(args)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    ex.apply_tp(model, mesh["tp"])
+    ex.apply_fsdp(model, mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dp_rank, n = mesh["dp"].get_local_rank(), sizes["batch"] // 2
+
+    def step(i: int, before_update=None) -> None:
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"] + 1), generator=g)[dp_rank * n:(dp_rank + 1) * n]
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if before_update is not None:
+            before_update()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """(bytes this rank holds of parameters + AdamW state, global bytes of the same tensors)."""
+    local = glob = 0
+    tensors = list(model.parameters()) + [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        data = t.to_local() if hasattr(t, "to_local") else t
+        local += data.numel() * data.element_size()
+        glob += t.numel() * t.element_size()
+    return local, glob
+
+
+def mesh2d_worker(rank: int, world: int, root: str, mode: str, steps: int, every: int, sizes: dict) -> dict:
+    model, opt, train_step = mesh2d_job(world, sizes)
+    for i in range(2):  # warm-up: AdamW state exists, the first steps' one-time costs are paid
+        train_step(-1 - i)
+    local, glob = _local_bytes(model, opt)
+    recs: list = []
+    mgr = stager = prev = None
+    pending: list = []
+    if mode == "ours":
+        from checkpointing import CheckpointManager
+
+        mgr = CheckpointManager(os.path.join(root, "ours"), keep_local=2, timeout_s=300)
+    elif mode == "dcp":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False, use_shared_memory=False, use_async_staging=True))
+        dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives get their own group (as torchtitan does)
+
+    def staged() -> None:  # DCP: staging must finish before the optimizer mutates the state
+        if pending:
+            t0 = now()
+            pending.pop().result()
+            recs[-1]["stall_s"] += now() - t0
+
+    dist.barrier()
+    t_loop = now()
+    for i in range(steps):
+        train_step(i, staged)
+        if i % every == every - 1 and i < steps - every:  # the last save has `every` steps to finish in
+            t0 = now()
+            if mode == "ours":
+                h = mgr.save(i, {"model": model, "optim": opt})
+                recs.append({"handle": h, "call_s": now() - t0})
+            elif mode == "dcp":
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint.state_dict import get_state_dict
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                if prev is not None:
+                    prev.result()
+                t1 = now()
+                msd, osd = get_state_dict(model, opt)
+                t2 = now()
+                r = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp", f"step-{i}"), process_group=dcp_pg,
+                                   async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager)
+                prev = r.upload_completion
+                pending.append(r.staging_completion)
+                rec = {"stall_s": now() - t0, "t0": t0, "wait_prev_s": t1 - t0, "state_dict_s": t2 - t1, "call_s": now() - t1}
+                prev.add_done_callback(lambda _f, rec=rec: rec.setdefault("durable_s", now() - rec["t0"]))
+                recs.append(rec)
+    if mode == "ours":
+        mgr.wait()
+        loop_s = now() - t_loop
+        stats = [(r["call_s"], r["handle"].wait()) for r in recs]
+        out = [{"stall_s": st.stall_s + st.wait_prev_s, "wait_prev_s": st.wait_prev_s, "call_s": call_s, "guard_wait_s": st.guard_wait_s,
+                "durable_s": st.total_s, "snapshot_s": st.snapshot_s, "write_s": st.write_s, "commit_s": st.commit_s,
+                "bytes_written": st.bytes_written} for call_s, st in stats]
+        mgr.close()
+    elif mode == "dcp":
+        for f in pending:  # no optimizer step follows: nothing to wait for in the loop
+            f.result()
+        prev.result()
+        loop_s = now() - t_loop
+        time.sleep(0.05)  # the done-callback has run
+        out = [{k: r[k] for k in ("stall_s", "durable_s", "wait_prev_s", "state_dict_s", "call_s")} for r in recs]
+        stager.close()
+    else:
+        loop_s, out = now() - t_loop, []
+    return {"loop_s": loop_s, "local_bytes": local, "global_bytes": glob, "saves": out,
+            "placements": sorted({str(tuple(p.placements)) for p in model.parameters()})}
+
+
+def _slowest_median(runs: list[list[dict]], key: str) -> float:
+    """Median over every save of every run of the slowest rank's `key`."""
+    return statistics.median(max(x["saves"][k][key] for x in r) for r in runs for k in range(len(r[0]["saves"])))
+
+
+def bench_mesh2d(root: str, steps: int, every: int, sizes: dict = MESH2D) -> dict:
+    """B ours dcp B dcp ours B: each config run is compared with the two no-save baselines around its block
+    (the machine drifts), and each library runs once first and once second in its block."""
+    order = ("baseline", "ours", "dcp", "baseline", "dcp", "ours", "baseline")
+    runs: list[tuple[str, list[dict]]] = []
+    for mode in order:
+        d = os.path.join(root, f"mesh2d-{mode}")
+        t = now()
+        r = launch("mesh2d_worker", 4, root=d, mode=mode, steps=steps, every=every, sizes=sizes)
+        shutil.rmtree(d, ignore_errors=True)
+        runs.append((mode, r))
+        print(f"mesh2d {mode}: loop {max(x['loop_s'] for x in r):.2f} s (launch to exit {now() - t:.1f} s)", flush=True)
+    loops = [max(x["loop_s"] for x in r) for _, r in runs]
+    bases = [loops[i] for i, (mode, _) in enumerate(runs) if mode == "baseline"]
+    first = next(r for mode, r in runs if mode == "ours")
+    saves = len(first[0]["saves"])
+    summary = {"sizes": sizes, "steps": steps, "every": every, "baseline_loops_s": bases,
+               "noise_per_save_s": max(abs(a - b) for a, b in zip(bases, bases[1:])) / saves / 2,
+               "local_bytes": max(x["local_bytes"] for x in first), "global_bytes": first[0]["global_bytes"],
+               "placements": first[0]["placements"]}
+    for mode, extra in (("ours", ("call_s", "guard_wait_s", "snapshot_s", "write_s", "commit_s")), ("dcp", ("call_s", "state_dict_s"))):
+        mine = [(i, r) for i, (m, r) in enumerate(runs) if m == mode]
+        overheads = []
+        for i, r in mine:  # the baselines before and after this run's block
+            before = max(j for j in range(i) if runs[j][0] == "baseline")
+            after = min(j for j in range(i, len(runs)) if runs[j][0] == "baseline")
+            overheads.append((loops[i] - (loops[before] + loops[after]) / 2) / saves)
+        summary[mode] = {"saves": saves * len(mine), "loop_overhead_per_save_s": statistics.mean(overheads), "loop_overhead_runs_s": overheads}
+        for key in ("stall_s", "wait_prev_s", "durable_s") + extra:
+            summary[mode][key] = _slowest_median([r for _, r in mine], key)
+    summary["ours"]["bytes_written"] = statistics.median(sum(x["saves"][k]["bytes_written"] for x in r) for m, r in runs if m == "ours" for k in range(saves))
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["commit", "sharded", "all"])
+    ap.add_argument("what", choices=["commit", "sharded", "mesh2d", "all"])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "out", "dist"))
     ap.add_argument("--worlds", default="1,2,4,8")
     ap.add_argument("--saves", type=int, default=6)
     ap.add_argument("--mb", type=int, default=256, help="global parameter bytes (optimizer state doubles it)")
+    ap.add_argument("--mesh2d-steps", type=int, default=15, help="mesh2d: timed training steps per run")
+    ap.add_argument("--mesh2d-every", type=int, default=3, help="mesh2d: a save every this many steps")
     ap.add_argument("--md", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.root, exist_ok=True)
@@ -203,6 +371,8 @@ def main() -> None:
         out["commit"] = bench_commit(a.root, [int(w) for w in a.worlds.split(",")], a.saves)
     if a.what in ("sharded", "all"):
         out["sharded"] = bench_sharded(a.root, a.mb << 20, steps=12, every=3, compute=384)
+    if a.what in ("mesh2d", "all"):
+        out["mesh2d"] = bench_mesh2d(a.root, steps=a.mesh2d_steps, every=a.mesh2d_every)
     Path(a.root, "bench_dist.json").write_text(json.dumps(out, indent=1))
     if a.md:
         print(markdown(out))
@@ -222,6 +392,29 @@ def markdown(out: dict) -> str:
         for k, label in (("stall_s", "training stall"), ("loop_overhead_per_save_s", "loop overhead"), ("durable_s", "save to committed")):
             o, d = s["ours"][k], s["dcp"][k]
             lines.append(f"| {label} | {o:.3f} s | {d:.3f} s | {o / d:.2f} |" if d > 0 else f"| {label} | {o:.3f} s | {d:.3f} s | |")
+    if "mesh2d" in out:
+        m = out["mesh2d"]
+        z = m["sizes"]
+        lines += ["", f"4 ranks, 2x2 (dp, tp) mesh, FSDP2 over tensor parallel as in examples/train_2d.py (vocab {z['vocab']}, dim {z['dim']}, "
+                  f"{z['n_layers']} blocks): {m['global_bytes'] / 1e6:.0f} MB of parameters + AdamW state in all, {m['local_bytes'] / 1e6:.0f} MB on the "
+                  f"largest rank; {m['steps']} steps, a save every {m['every']} (the last with at least {m['every']} steps after it); no-save loops {', '.join(f'{b:.2f}' for b in m['baseline_loops_s'])} s "
+                  f"(neighbouring baselines differ by up to ±{m['noise_per_save_s']:.3f} s per save); {m['ours']['saves']} saves each. "
+                  f"Placements: {', '.join(m['placements'])}", "",
+                  "| per save (slowest rank) | ours | DCP async_save (get_state_dict, thread, reused stager, async staging) | ratio ours/DCP |", "|---|---|---|---|"]
+        for k, label in (("stall_s", "training stall (incl. waiting for the previous save)"), ("wait_prev_s", "of which waiting for the previous save"),
+                         ("loop_overhead_per_save_s", "loop overhead (loop time minus the no-save loops around it, per save; per run)"), ("durable_s", "save() to committed")):
+            o, d = m["ours"][k], m["dcp"][k]
+            if k == "loop_overhead_per_save_s":  # per run too: these are the noisy ones
+                o_s, d_s = (f"{v:.3f} s ({', '.join(f'{x:.3f}' for x in m[lib]['loop_overhead_runs_s'])})" for lib, v in (("ours", o), ("dcp", d)))
+            else:
+                o_s, d_s = f"{o:.3f} s", f"{d:.3f} s"
+            lines.append(f"| {label} | {o_s} | {d_s} | {o / d:.2f} |" if k != "wait_prev_s" and d > 0 else f"| {label} | {o_s} | {d_s} | |")
+        o = m["ours"]
+        d = m["dcp"]
+        lines += ["", f"Medians of the slowest rank. Ours: save() call {o['call_s']:.3f} s, guard wait before the next optimizer.step() "
+                  f"{o['guard_wait_s']:.3f} s; snapshot {o['snapshot_s']:.3f} s, write {o['write_s']:.3f} s, commit {o['commit_s']:.3f} s; "
+                  f"{o['bytes_written'] / 1e6:.0f} MB written per save over all ranks. DCP: get_state_dict + async_save() call {d['call_s']:.3f} s "
+                  f"(get_state_dict {d['state_dict_s']:.3f} s), the rest of its stall is the wait for staging before the next optimizer.step()."]
     return "\n".join(lines)
 
 

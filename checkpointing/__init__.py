@@ -24,12 +24,21 @@ from checkpointing.errors import (
 )
 from checkpointing.manager import CheckpointManager, SaveHandle
 from checkpointing.observe.metrics import SaveStats
+from checkpointing.plan.retention import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepSteps, RetentionPolicy
+from checkpointing.restore.load import load
 from checkpointing.state.rng import RNGState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager",
+    "load",
+    "KeepLatest",
+    "KeepEvery",
+    "KeepBest",
+    "KeepSteps",
+    "KeepAny",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveStats",
     "RNGState",

@@ -2,9 +2,64 @@
 
 Layer: the bottom of the package; imports nothing of it. The storage backends keep their
 translation of service errors (storage/retry.py: RemoteStorageError, itself a CheckpointError).
+
+Failures of several ranks read once: `group_by_cause` joins per-rank causes by cause
+("ranks 0-1, 3: A; rank 2: B"), with the ranks written by `rank_ranges`. Every place that names
+failing or silent ranks in one message uses these two.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping
+
+_RANK_PLACEHOLDER = "<rank>"
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """The ranks as a reader takes them in: "rank 2", "ranks 0-3", "ranks 0-1, 3, 5-7" (sorted, each once)."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return "no rank"
+    runs: list[tuple[int, int]] = []
+    for r in rs:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(rs) == 1 else f"ranks {text}"
+
+
+def cause_groups(failures: Mapping[int, str]) -> list[tuple[tuple[int, ...], str]]:
+    """The ranks that failed for the same cause, each group with that cause, in order of their lowest rank.
+
+    Ranks whose causes are equal form a group. A cause that only one rank gives and that names that
+    rank's own number ("rank 2", or a file of its own such as "r00002.<token>.pack") joins the
+    others that differ from it only there: the group's cause then says "<rank>" in its place.
+    """
+    exact: dict[str, list[int]] = {}
+    for r in sorted(failures):
+        exact.setdefault(failures[r], []).append(r)
+    groups: dict[str, list[int]] = {}
+    originals: dict[str, str] = {}
+    for cause, ranks in exact.items():
+        key = _without_own_rank(ranks[0], cause) if len(ranks) == 1 else cause
+        groups.setdefault(key, []).extend(ranks)
+        originals.setdefault(key, cause)
+    out = [(tuple(sorted(rs)), key if len(rs) > 1 else originals[key]) for key, rs in groups.items()]
+    return sorted(out, key=lambda group: group[0][0])
+
+
+def group_by_cause(failures: Mapping[int, str]) -> str:
+    """Per-rank causes joined once per cause: "ranks 0-3: X", or "ranks 0-1, 3: A; rank 2: B"."""
+    return "; ".join(f"{rank_ranges(ranks)}: {cause}" for ranks, cause in cause_groups(failures))
+
+
+def _without_own_rank(rank: int, cause: str) -> str:
+    """`cause` with the rank's own number, where it names that rank, replaced by "<rank>"."""
+    own = re.compile(rf"(?<![0-9A-Za-z])(rank[ _-]?|r)0*{rank}(?![0-9])", re.IGNORECASE)
+    return own.sub(lambda m: m.group(1) + _RANK_PLACEHOLDER, cause)
 
 
 class CheckpointError(Exception):
@@ -66,8 +121,9 @@ class CheckpointMismatchError(CheckpointError):
         super().__init__(
             f"checkpoint step {step} does not match the state passed to restore "
             f"({len(self.problems)} problem(s)):\n  - {lines}\n"
-            "Pass the same kinds of objects that were saved, or restore(..., strict=False) to "
-            "skip keys that exist on only one side."
+            "Pass the same kinds of objects that were saved, or name what to restore: "
+            "restore(..., only=['model']) or exclude=['optim'] (glob patterns over the keys above); "
+            "checkpointing.load(path) shows what the step holds."
         )
 
 
@@ -89,8 +145,8 @@ class RanksFailedError(CheckpointError):
     def __init__(self, step: int, failures: dict[int, str]) -> None:
         self.step = step
         self.failures = dict(sorted(failures.items()))
-        causes = "; ".join(f"rank {r}: {c}" for r, c in self.failures.items())
-        super().__init__(f"step {step} failed on {len(self.failures)} rank(s): {causes}")
+        n = len(self.failures)
+        super().__init__(f"step {step} failed on {n} rank{'s' if n != 1 else ''}: {group_by_cause(self.failures)}")
 
 
 class CoordinationTimeout(CheckpointError):
@@ -118,7 +174,8 @@ class UploadRanksFailed(CheckpointError):
 
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures = dict(sorted(failures.items()))
-        super().__init__(f"{len(self.failures)} rank(s) failed: " + "; ".join(f"rank {r}: {c}" for r, c in self.failures.items()))
+        n = len(self.failures)
+        super().__init__(f"{n} rank{'s' if n != 1 else ''} failed: {group_by_cause(self.failures)}")
 
 
 class MergeError(CheckpointError):

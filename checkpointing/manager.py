@@ -8,7 +8,7 @@ optimizer.step() until the snapshot no longer reads live parameters or optimizer
 
 Across ranks (a torch.distributed process group of more than one rank), every rank writes its own
 shards to its local tier and the coordinator (dist/store_coordinator.py) commits the step through the
-store; construction and restore() are collective calls, save() is not (it never waits on another rank).
+store; construction, restore() and delete() are collective calls, save() is not (it never waits on another rank).
 
 The objects it composes: SaveIssuer (save/issue.py) makes each save on the training thread, and
 InFlight (save/inflight.py) holds those not yet reported; SaveWorker (save/worker.py) runs them on
@@ -34,13 +34,11 @@ import os
 import signal
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
-from checkpointing.dist.coordinator import LocalCoordinator
-from checkpointing.dist.keys import new_namespace
-from checkpointing.dist.store_coordinator import StoreCoordinator
+from checkpointing.dist.coordinator import open_coordinator, resolve_group
 from checkpointing.dist.types import Coordinator
 from checkpointing.dist.writer import start_writing
 from checkpointing.errors import CheckpointConfigError, CheckpointError
@@ -49,9 +47,10 @@ from checkpointing.observe.accounting import SaveAccounting
 from checkpointing.observe.metrics import SaveStats
 from checkpointing.observe.steptime import RunSummary
 from checkpointing.options import DEFAULT_CHUNK_BYTES, ChangeDetection, ManagerOptions, SnapshotMode
-from checkpointing.plan.retention import tier_states
+from checkpointing.plan.retention import RetentionPolicy, tier_states
 from checkpointing.plan.schedule import SaveSchedule
 from checkpointing.restore.planner import execute
+from checkpointing.restore.selection import Selection
 from checkpointing.restore.step_choice import choose_step
 from checkpointing.save.handle import SaveHandle
 from checkpointing.save.inflight import InFlight
@@ -60,10 +59,13 @@ from checkpointing.save.planning import PackPlanner
 from checkpointing.save.records import SaveRecords
 from checkpointing.save.staging import StagingPool
 from checkpointing.save.uploader import PendingUploads, Uploader, start_uploader
+from checkpointing.save.deletion import StepDeleter
 from checkpointing.save.worker import AfterUpload, LocalRetention, SaveWorker
 from checkpointing.state.codecs import Codec
-from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
+from checkpointing.storage import FsspecStorage
 from checkpointing.tier import catalog, collect
+from checkpointing.tier.lock import NotHeld
+from checkpointing.tier.opening import open_local_tier, open_remote_tier
 from checkpointing.training.loop import StepScope, TrainingLoop
 
 if TYPE_CHECKING:
@@ -88,8 +90,8 @@ class CheckpointManager:
         *,
         remote: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        keep_local: int | None = 2,
-        keep_remote: int | None = None,
+        keep_local: int | RetentionPolicy | None = 2,
+        keep_remote: int | RetentionPolicy | None = None,
         incremental: bool = True, reverify_every: int | None = 10, reverify_bytes_per_s: float = 200e6,
         change_detection: ChangeDetection = "auto",
         process_group: Any = None,
@@ -107,36 +109,32 @@ class CheckpointManager:
         interval: int | Literal["auto"] | None = None,
         mtbf_s: float | None = None,
         on_metrics: Callable[[dict[str, Any]], Any] | None = None,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir):
             raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a directory path")
         self.options = ManagerOptions(
-            keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes,
-            chunk_bytes=chunk_bytes, write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync, reverify_every=reverify_every,
-            reverify_bytes_per_s=reverify_bytes_per_s,
+            keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes, chunk_bytes=chunk_bytes,
+            write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync, reverify_every=reverify_every, reverify_bytes_per_s=reverify_bytes_per_s,
             incremental=incremental, change_detection=change_detection, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
-            timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes,
-            upload_bytes_per_s=upload_bytes_per_s, interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics,
+            timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes, upload_bytes_per_s=upload_bytes_per_s,
+            interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics, read_only=read_only,
         )
-        group = _resolve_group(process_group)
-        self.remote_storage: FsspecStorage | None = _open_remote(self.options)
-        try:
-            self.storage = LocalStorage(local_dir, direct=direct_io, fsync=fsync)
-        except OSError as exc:
-            raise CheckpointConfigError(f"cannot use {local_dir!s} as the checkpoint directory: {exc}") from exc
+        group = resolve_group(process_group)
+        self.remote_storage: FsspecStorage | None = open_remote_tier(self.options)
+        self.storage = open_local_tier(local_dir, read_only=read_only, direct=direct_io, fsync=fsync, remote=remote is not None)
         self.directory = self.storage.root
-        if group is None:
-            self._coord: Coordinator = LocalCoordinator(self.storage)
-        else:
-            self._coord = StoreCoordinator(self.storage, group, timeout_s=self.options.timeout_s, namespace=new_namespace(_group_name(group)))
+        self._coord: Coordinator = open_coordinator(self.storage, group, timeout_s=self.options.timeout_s)
         self.rank = self._coord.rank
         self.world_size = self._coord.world_size
         self._closed = False
         # the leader rank of each local tier takes its writer lock and tidies it, before anyone writes there
-        self._lock = start_writing(self._coord, self.directory, tidy=self._remove_incomplete)
+        self._lock = NotHeld() if read_only else start_writing(self._coord, self.directory, tidy=lambda: collect.remove_incomplete(self.storage))
         self._compose(group)
-        self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+        self._hook = None if read_only else register_optimizer_step_pre_hook(self._on_optimizer_step)
         _LIVE.add(self)
+
+    __init__.__doc__ = ManagerOptions.__doc__  # every option, kept beside its checks (options.py)
 
     def _compose(self, group: ProcessGroup | None) -> None:
         """The objects that do the work, wired together (see the module docstring)."""
@@ -148,10 +146,10 @@ class CheckpointManager:
         self._records = SaveRecords(self._acct, self._pool, rank=self.rank, world_size=self.world_size, local=str(self.directory),
                                     remote=self._remote_url())
         pending = PendingUploads()
-        retention = LocalRetention(self.storage, options.keep_local, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending)
+        retention = LocalRetention(self.storage, options.local_retention, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending)
         self._uploader: Uploader | None = None
-        if self.remote_storage is not None:  # collective: the ranks agree on interrupted uploads to resume
-            self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.keep_remote,
+        if self.remote_storage is not None and not options.read_only:  # collective: the ranks agree on interrupted uploads to resume
+            self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.remote_retention,
                                                      on_finish=AfterUpload(self._records, retention), pending=pending)
             self._inflight.resumed(resumed)
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
@@ -161,18 +159,34 @@ class CheckpointManager:
         self._saves = SaveIssuer(options, self.storage, planner=planner, inflight=self._inflight, worker=self._worker,
                                  uploader=self._uploader, acct=self._acct, world_size=self.world_size)
         self._loop = TrainingLoop(self._acct, self._saves, rank=self.rank, world_size=self.world_size, new_store=coord.new_store_client)
+        self._deleter = StepDeleter(self.storage, self.remote_storage, coord, inflight=self._inflight, worker=self._worker, uploader=self._uploader)
 
     # ------------------------------------------------------------------ public API
 
-    def save(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None,
+             metrics: Mapping[str, float] | None = None) -> SaveHandle:
         """Snapshot `state` as `step`; returns once the training loop may go on.
 
-        With several ranks every rank calls save() with the same step; none waits for the others.
+        `metrics` ({"loss": 0.31}: finite numbers by name) are stored with the step, in its manifest
+        and COMMIT, for retention by metric (KeepBest) and `checkpointing ls`; with several ranks,
+        rank 0's are recorded. Every rank calls save() with the same step; none waits for the others.
         """
-        self._check_open()
-        job = self._saves.issue(step, state, eager=eager)
+        self._check_open("save()")
+        job = self._saves.issue(step, state, eager=eager, metrics=metrics)
         self._loop.at_safe_point(step)
         return SaveHandle(job, stall=self._acct.stall)
+
+    def delete(self, step: int, *, allow_latest: bool = False) -> None:
+        """Delete committed `step` from every tier (the local tier, and the remote one if configured).
+
+        Reference-safe: files of `step` whose chunks later (incremental) steps use stay until those
+        steps go. The newest committed step needs allow_latest=True. To rewind: restore(step=k),
+        delete the newer steps, then save k+1 on. Waits for the save and uploads in flight first.
+        CheckpointNotFoundError when `step` is committed on no tier. With several ranks this is a
+        collective call: every rank calls it with the same step (save/deletion.py).
+        """
+        self._check_open("delete()")
+        self._deleter.delete(step, allow_latest=allow_latest)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save is durable on every configured tier; raise the error of a failed one (once)."""
@@ -185,17 +199,23 @@ class CheckpointManager:
         """
         self._inflight.wait_staged()
 
-    def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True,
+                only: str | Sequence[str] | None = None, exclude: str | Sequence[str] | None = None) -> int | None:
         """Restore `step` (default: the newest committed one every rank can read) into `state` in place.
 
         Returns the step, or None when there is none. With several ranks this is a collective call:
         the ranks agree on the step first, and each reads only the chunks it needs (resharding
-        DTensors when the world size or the sharding changed).
+        DTensors when the world size, the mesh or the pipeline stages changed). only / exclude: glob
+        patterns over the keys ("model", "optim/*"): restore just those (the rest of `state` keeps
+        its values; a pattern matching nothing is an error). Names that differ only by wrappers
+        (torch.compile's `_orig_mod.`) match, and an object and its state_dict() restore into each other.
         """
         self._check_open()
         self._inflight.wait_local()
-        remote = set(self._remote_steps() or ())
-        chosen, plans = choose_step(state, step, strict, local=self.storage, remote=self.remote_storage, remote_steps=remote,
+        remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())
+        if remote is None and not self._coord.tiers[self.rank]:  # read-only, no TIER file: it holds every primary copy
+            remote, remote_steps = self.storage, set(catalog.list_steps(self.storage).committed)
+        chosen, plans = choose_step(state, step, Selection.of(strict, only, exclude), local=self.storage, remote=remote, remote_steps=remote_steps,
                                     coord=self._coord, codecs=self.options.codecs)
         if chosen is None:
             return None
@@ -205,11 +225,8 @@ class CheckpointManager:
         execute(plan, state, sources)
         if self.options.incremental:  # the next save writes only what changed since this step (all, if damaged here)
             self._worker.use_restored(chosen, clean=not sources.fallbacks)
-        origin = str(self.directory) if sources.local is not None else ""
-        if sources.remote_bytes:
-            origin += f"{' and ' if origin else ''}{self._remote_url()} ({sources.remote_bytes / 1e6:.1f} MB from the remote tier)"
-        log.info("checkpointing: rank %d restored step %d (%.1f MB in the checkpoint) in %.3f s from %s",
-                 self.rank, chosen, plan.manifest.nbytes / 1e6, time.perf_counter() - t0, origin or str(self.directory))
+        log.info("checkpointing: rank %d restored step %d in %.3f s: %s", self.rank, chosen, time.perf_counter() - t0,
+                 sources.summary(str(self.directory), self._remote_url()))
         return chosen
 
     def steps(self) -> list[int]:
@@ -225,13 +242,13 @@ class CheckpointManager:
         return tier_states(catalog.list_steps(self.storage).committed, self._remote_steps())
 
     def _remote_steps(self) -> list[int] | None:
-        if self.remote_storage is None or self._uploader is None:
+        if self.remote_storage is None:
             return None
         try:
             return catalog.list_steps(self.remote_storage).committed
         except (OSError, CheckpointError) as exc:
             log.warning("checkpointing: cannot list the remote tier %s (%s); showing what this process uploaded", self._remote_url(), exc)
-            return sorted(self._uploader.remote_steps())
+            return None if self._uploader is None else sorted(self._uploader.remote_steps())
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -256,7 +273,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._loop.stop()
-            self._hook.remove()
+            if self._hook is not None:
+                self._hook.remove()
             self._worker.close()
             if self._uploader is not None:
                 self._uploader.close()  # its queue is empty: wait() waited for every upload (unless it raised)
@@ -313,20 +331,19 @@ class CheckpointManager:
         exits anyway, leaving nothing half-visible). Several ranks agree on the step through the
         job's store. Details: checkpointing/preemption.py and docs/observability.md.
         """
-        self._check_open()
+        self._check_open("handle_preemption()")
         self._loop.handle_preemption(state, grace_s=grace_s, signals=signals)
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
-        except CheckpointError as err:  # do not hide the exception already propagating
-            log.error("checkpointing: %s", err)
+        except CheckpointError as err:
+            if exc_type is None:
+                raise
+            log.error("checkpointing: %s", err)  # do not hide the exception already propagating
 
     def __repr__(self) -> str:
         remote = f", remote={self._remote_url()!r}, keep_remote={self.options.keep_remote}" if self.remote_storage is not None else ""
@@ -334,9 +351,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_open(self) -> None:
+    def _check_open(self, writes: str = "") -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
+        if writes and self.options.read_only:
+            raise CheckpointConfigError(f"this CheckpointManager was opened read_only=True: {writes} would change {self.directory}; "
+                                        "open it without read_only (one writing manager per directory) to save or delete")
 
     def _remote_url(self) -> str:
         return self.remote_storage.url if self.remote_storage is not None else ""
@@ -344,14 +364,6 @@ class CheckpointManager:
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._inflight.guard()
         self._loop.optimizer_step(optimizer)
-
-    def _remove_incomplete(self) -> None:
-        """Saves that did not commit (under the writer lock: every pin is a crashed save's)."""
-        result = collect.collect(self.storage, pin_ttl_s=0)
-        for step in sorted({naming.parse_step_dir(g.path.split("/")[0]) for g in result.garbage if g.reason.startswith("incomplete")}):
-            log.info("checkpointing: removed incomplete step %d (a save that did not commit) from %s", step, self.directory)
-        for p in result.problems:
-            log.warning("checkpointing: not tidying %s: %s", self.directory, p)
 
 
 _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
@@ -366,35 +378,3 @@ def _finish_saves_at_exit() -> None:
         except Exception as exc:  # noqa: BLE001 - exiting: report, do not raise
             log.error("checkpointing: at exit: %s", exc)
 
-
-def _open_remote(options: ManagerOptions) -> FsspecStorage | None:
-    """The remote tier's storage, or None. Credentials stay inside it: never in messages, logs or files."""
-    if options.remote is None:
-        return None
-    opened = open_storage(options.remote, options.storage_options, max_concurrency=options.upload_concurrency,
-                          part_bytes=options.upload_part_bytes, max_bytes_per_s=options.upload_bytes_per_s)
-    assert isinstance(opened, FsspecStorage)
-    return opened
-
-
-def _resolve_group(process_group: Any) -> ProcessGroup | None:
-    """The process group to coordinate over, or None for a single rank."""
-    import torch.distributed as dist
-
-    if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        process_group = dist.group.WORLD
-    try:
-        world = dist.get_world_size(process_group)
-        rank = dist.get_rank(process_group)
-    except (RuntimeError, ValueError) as exc:
-        raise CheckpointConfigError(f"process_group={process_group!r} is not usable: {exc}") from exc
-    if rank < 0:
-        raise CheckpointConfigError("this process is not a member of process_group: create the manager on its ranks only")
-    return None if world == 1 else process_group
-
-
-def _group_name(group: ProcessGroup) -> str:
-    name = getattr(group, "group_name", None)
-    return str(name) if name else "world"

@@ -7,6 +7,7 @@ import math
 import signal
 from typing import Any, Callable, Literal, Mapping
 
+from checkpointing.plan.retention import RetentionPolicy, as_policy
 from checkpointing.plan.scrub import DEFAULT_BYTES_PER_S as DEFAULT_REVERIFY_BYTES_PER_S
 from checkpointing.plan.scrub import DEFAULT_EVERY as DEFAULT_REVERIFY_EVERY
 from checkpointing.state.codecs import Codec
@@ -22,24 +23,52 @@ S3_MIN_PART_BYTES = 5 << 20  # S3 refuses smaller multipart parts (but the last)
 
 @dataclasses.dataclass(frozen=True)
 class ManagerOptions:
-    """Everything `CheckpointManager` accepts besides the directory.
+    """CheckpointManager(local_dir, *, ...): every option. Each is checked when the manager is created:
+    a CheckpointConfigError names the wrong one and how to fix it. (They are the fields of
+    checkpointing.options.ManagerOptions, whose docstring this is, and CheckpointManager.__init__'s.)
 
-    keep_local: committed steps kept on the local tier (None keeps all).
-    keep_remote: committed steps kept on the remote tier (None keeps all).
+    Where the checkpoints live:
+    local_dir: the local tier, a directory on fast node-local storage (created if missing). Ranks on
+        one host passing the same directory share it. One writing process per directory: a second
+        one gets DirectoryLockedError naming the holder (read_only=True needs no lock).
     remote: URL of the durable tier (s3://bucket/prefix, file:///path, memory://name, any fsspec
         URL); every committed step is uploaded there in the background. None: local tier only.
     storage_options: handed to the fsspec filesystem of `remote` (endpoint_url, key, secret, ...).
         Never printed: it is left out of repr() and of every message.
-    upload_concurrency: multipart parts (of one rank) uploaded at a time.
-    upload_part_bytes: size of one multipart part (S3: at least 5 MiB); a file up to this size
-        goes up in one request.
-    upload_bytes_per_s: pace each rank's uploads to this rate (None: as fast as the link allows).
-    snapshot: "async" lets the copy into staging overlap the next forward/backward and guards the
-        next optimizer.step(); "eager" copies everything before save() returns.
+    keep_local: which committed steps the local tier keeps: a whole number N keeps the newest N
+        (default 2), None keeps all, or a retention policy (checkpointing.KeepLatest(n),
+        KeepEvery(n): steps divisible by n, KeepBest(n, "loss", mode="min"): the n best by a metric
+        passed to save(..., metrics={"loss": ...}), KeepSteps([...])), combined with `|`:
+        KeepLatest(2) | KeepEvery(1000) keeps what either keeps. Whatever the policy, the newest
+        committed step stays, and a step whose upload is not finished is never deleted locally.
+    keep_remote: the same for the remote tier (None, the default, keeps all).
+    read_only: only read (default False): steps(), tiers(), latest_step(), restore(), stats() work;
+        nothing is created, written or deleted on any tier (no TIER file, no tidying of incomplete
+        steps, no writer lock, no metrics file) and nothing is hooked (no optimizer step hook, no
+        signal handler); save(), delete() and handle_preemption() raise CheckpointConfigError. The
+        directory may be one this process cannot write; it must exist unless `remote` is given. A
+        directory without a TIER file (never opened by a writing manager, e.g. a copy of a remote
+        tier) is read like the remote tier: as holding every primary copy.
+    process_group: the ranks that checkpoint together (default: torch.distributed's WORLD when it
+        is initialised, else this process alone). Creating the manager, restore(), delete() and
+        close() are collective calls; save() is called by every rank but waits for none.
+    timeout_s: longest wait for another rank (its report, rank 0's verdict, a restore agreement, a
+        collective call) before the call fails with an error naming the ranks that did not answer.
+
+    How a save is taken:
+    snapshot: "async" (default) lets the copy into staging overlap the next forward/backward and
+        guards the next optimizer.step(); "eager" copies everything before save() returns.
     staging_budget_bytes: upper bound of the staging pool (None: one full copy of the state).
         A smaller budget streams the state through a ring and the guard waits for the writer.
-    chunk_bytes: largest chunk; every chunk carries its own digest.
-    write_block_bytes: size of one write syscall to the pack file.
+    chunk_bytes: largest chunk (default 1 MiB, at least 4096); every chunk carries its own digest.
+    write_block_bytes: size of one write syscall to the pack file (a multiple of 4096, >= 1 MiB).
+    direct_io: use O_DIRECT for pack writes where the filesystem supports it (default True).
+    fsync: make every write durable before the commit marker (default True; off only for tests).
+    codecs: opt-in codecs (checkpointing.Codec, PickleCodec) for values that are neither tensors,
+        state_dict() objects nor JSON-like primitives; each needs a unique name. Restore never
+        unpickles anything without one.
+    incremental: reuse the chunks that did not change since the previous save (or since the step
+        restored) instead of writing them again (default True); False: each save writes everything.
     change_detection: how an incremental save finds the chunks that changed. "auto": where the
         kernel reports written pages (Linux >= 6.7, pagewrites.py), chunks of CPU tensors not
         written since the previous save are not even read, the rest are compared byte for byte;
@@ -47,22 +76,27 @@ class ManagerOptions:
         device writes by DMA into pages pinned outside PyTorch, e.g. RDMA-registered CPU tensors).
     reverify_every: with incremental saves, every chunk a save borrows from an earlier file is
         read back and digested at least once in any `reverify_every` consecutive saves that borrow
-        it, on the background thread after each commit (a damaged one is written anew by the next
-        save); None turns this off. reverify_bytes_per_s: the pace of those reads.
-    direct_io: use O_DIRECT for pack writes where the filesystem supports it.
-    fsync: make every write durable before the commit marker (turn off only for tests).
-    timeout_s: longest wait for another rank (its report, rank 0's verdict, a restore agreement)
-        before the save or restore fails with an error naming the ranks that did not answer.
+        it (default 10), on the background thread after each commit (a damaged one is written anew
+        by the next save); None turns this off.
+    reverify_bytes_per_s: the pace of those reads (default 200e6).
+
+    Uploads to the remote tier:
+    upload_concurrency: multipart parts (of one rank) uploaded at a time (default 8).
+    upload_part_bytes: size of one multipart part (default 64 MiB; S3: at least 5 MiB); a file up
+        to this size goes up in one request.
+    upload_bytes_per_s: pace each rank's uploads to this rate (None: as fast as the link allows).
+
+    The training loop:
     interval: what `mgr.should_save(step)` answers: None (no schedule: should_save raises), a
         whole number N (every N steps: step % N == 0), or "auto" (Daly's optimum interval from the
-        measured cost of saves and `mtbf_s`; see checkpointing/schedule.py).
+        measured cost of saves and `mtbf_s`; see checkpointing/plan/schedule.py).
     mtbf_s: the job's mean time between failures in seconds (with interval="auto" only).
     on_metrics: called with each save's record (a dict, the fields of SaveStats) once it is
         complete, on a background thread; its exceptions are logged and never stop saving.
     """
 
-    keep_local: int | None = 2
-    keep_remote: int | None = None
+    keep_local: int | RetentionPolicy | None = 2
+    keep_remote: int | RetentionPolicy | None = None
     snapshot: SnapshotMode = "async"
     staging_budget_bytes: int | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -83,13 +117,18 @@ class ManagerOptions:
     interval: int | Literal["auto"] | None = None
     mtbf_s: float | None = None
     on_metrics: Callable[[dict[str, Any]], Any] | None = dataclasses.field(default=None, repr=False)
+    read_only: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.read_only, bool):
+            raise CheckpointConfigError(f"read_only={self.read_only!r} is invalid: pass True (only read) or False")
         for name in ("keep_local", "keep_remote"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and not isinstance(value, RetentionPolicy) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise CheckpointConfigError(
-                    f"{name}={value!r} is invalid: pass a whole number >= 1, or None to keep every step"
+                    f"{name}={value!r} is invalid: pass a whole number >= 1 (keep the newest N steps), a retention policy "
+                    "(KeepLatest(2) | KeepEvery(1000), KeepBest(3, 'loss'), KeepSteps([...]) from checkpointing), "
+                    "or None to keep every step"
                 )
         if self.snapshot not in ("async", "eager"):
             raise CheckpointConfigError(
@@ -123,6 +162,16 @@ class ManagerOptions:
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
+
+    @property
+    def local_retention(self) -> RetentionPolicy | None:
+        """keep_local as a policy (n: KeepLatest(n)); None keeps every step."""
+        return as_policy(self.keep_local)
+
+    @property
+    def remote_retention(self) -> RetentionPolicy | None:
+        """keep_remote as a policy (n: KeepLatest(n)); None keeps every step."""
+        return as_policy(self.keep_remote)
 
     def _check_reverify(self) -> None:
         every, rate = self.reverify_every, self.reverify_bytes_per_s

@@ -333,3 +333,53 @@ def commit_timing(rank: int, world: int, directory: str, saves: int) -> list[flo
         for step in range(saves):
             out.append(mgr.save(step, {"model": model, "optim": opt}).wait().commit_s)
     return out
+
+
+def failing_saves(rank: int, world: int, directory: str, plans: list[dict[int, str]]) -> list[tuple[str, list[str]]]:
+    """Step 1 commits; then one save per plan, where rank r fails as plans[i].get(r) says: "fsize" (a
+    real write failure, RLIMIT_FSIZE), "state" (a value that cannot be checkpointed: save() raises),
+    or not at all. Per plan: the text of the error this rank got, and the errors its manager logged."""
+    import logging
+    import resource
+    import signal
+
+    from checkpointing import CheckpointError, CheckpointManager
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    kept = Keep()
+    logging.getLogger("checkpointing").addHandler(kept)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    x = torch.randn(1 << 18) + rank  # 1 MiB, different on every rank: after step 1 each rank writes its own
+    out = []
+    with CheckpointManager(directory, timeout_s=60, direct_io=False) as mgr:
+        mgr.save(1, {"x": x}).wait()
+        for step, plan in enumerate(plans, start=2):
+            kept.lines.clear()
+            fault = plan.get(rank)
+            state: dict[str, Any] = {"x": x + step}
+            if fault == "state":
+                state["bad"] = object()
+            if fault == "fsize":
+                resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+            try:
+                mgr.save(step, state).wait()
+                message = "committed"
+            except CheckpointError as exc:
+                message = f"{type(exc).__name__}: {exc}"
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            try:
+                mgr.wait()  # the background part of a save that failed inside save() is over (and logged)
+            except CheckpointError:
+                pass
+            out.append((message, list(kept.lines)))
+        assert mgr.steps() == [1], mgr.steps()
+    logging.getLogger("checkpointing").removeHandler(kept)
+    return out

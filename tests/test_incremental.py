@@ -615,6 +615,19 @@ GC_CHILD = textwrap.dedent(
 )
 
 
+def _open_beside_gc(ck: Path) -> CheckpointManager:
+    """The manager, once the other process's `checkpointing gc` round (which holds the writer lock for
+    a moment, as it must) is over: the refusal names the holder, and a moment later the lock is free."""
+    from checkpointing.tier.lock import DirectoryLockedError
+
+    for _ in range(200):
+        try:
+            return CheckpointManager(ck, keep_local=2, chunk_bytes=64 << 10)
+        except DirectoryLockedError:
+            time.sleep(0.05)
+    return CheckpointManager(ck, keep_local=2, chunk_bytes=64 << 10)
+
+
 def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
     """A training loop saves every step (keep_local=2: the manager retires steps too) while another
     process collects and retires (keep 2) in a tight loop (the reference-safe protocol of tier/collect.py,
@@ -635,7 +648,7 @@ def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
             time.sleep(0.05)
         net, opt = frozen_run()
         gen = torch.Generator().manual_seed(0)
-        with CheckpointManager(ck, keep_local=2, chunk_bytes=64 << 10) as mgr:
+        with _open_beside_gc(ck) as mgr:
             step, prev = 0, None
             deadline = time.monotonic() + 4.0
             while time.monotonic() < deadline or step < 10:

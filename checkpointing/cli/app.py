@@ -1,4 +1,4 @@
-"""`checkpointing ls|inspect|verify|gc|export|report TARGET` (also `python -m checkpointing`): the arguments,
+"""`checkpointing ls|inspect|verify|gc|rm|export|report TARGET` (also `python -m checkpointing`): the arguments,
 and which command runs (layer: cli).
 
 TARGET is a checkpoint directory or any tier URL (s3://bucket/prefix, file:///path, memory://...).
@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-ttl-s", type=float, default=86400.0,
                    help="a pin (a save in flight) older than this is a crashed writer's and protects nothing (default 86400)")
     p.set_defaults(func=commands.gc)
+    p = tier_parser("rm", "delete a committed step (chunks later steps use stay); the newest only with --force")
+    p.add_argument("--step", type=int, required=True, help="the step to delete")
+    p.add_argument("--force", action="store_true", help="also delete the newest committed step")
+    p.set_defaults(func=commands.rm)
     p = tier_parser("export", "write a step's full (unsharded) tensors to one torch.save file")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
     p.add_argument("--out", required=True, metavar="FILE", help="the file to write ({'step', 'world_size', 'tensors': {key: tensor}})")

@@ -1,4 +1,4 @@
-"""The commands on a tier: `ls`, `inspect`, `verify`, `gc` and `export`, each what it does and prints (layer: cli).
+"""The commands on a tier: `ls`, `inspect`, `verify`, `gc`, `rm` and `export`, each what it does and prints (layer: cli).
 
 Each takes the parsed arguments and the console to print on, and returns the exit code (0 fine, 1
 damage found); a command that cannot go on raises fmt.CommandFailed. On a terminal, verify, gc and
@@ -72,6 +72,8 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
                 manifests[step] = catalog.load_manifest(storage, step)
                 row["tensors"] = len(manifests[step].tensors)
                 row["bytes"] = manifests[step].nbytes
+                if manifests[step].metrics:
+                    row["metrics"] = dict(manifests[step].metrics)  # save(..., metrics=...)
             except CheckpointError as exc:
                 row["state"] = "damaged"
                 row["error"] = str(exc)
@@ -102,14 +104,17 @@ def _committed_at(storage: Storage, step: int) -> str:
 
 def _steps_table(rows: list[dict[str, Any]], title: str, *, with_tiers: bool) -> Table:
     table = Table(title=escape(title), caption=_LS_CAPTION)
+    with_metrics = any("metrics" in r for r in rows)
     columns = ["step", "state"] + (["tier"] if with_tiers else []) + [c for c, _ in _LS_SIZES] + ["tensors", "committed at (UTC)"]
+    columns += ["metrics"] if with_metrics else []
     for col in columns:
         table.add_column(col, justify="right" if col in ("step", "size", "new", "unique", "shared", "tensors") else "left")
     for r in rows:
         style = {"committed": "green", "damaged": "red", "remote only": "cyan"}.get(r["state"], "yellow")
         cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([escape(r["tier"])] if with_tiers else [])
         sizes = [fmt.size(r[k]) if k in r else "" for _, k in _LS_SIZES]
-        table.add_row(*cells, *sizes, str(r.get("tensors", "")), r.get("committed_at", ""))
+        shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.get("metrics", {}).items()))
+        table.add_row(*cells, *sizes, str(r.get("tensors", "")), r.get("committed_at", ""), *([escape(shown)] if with_metrics else []))
     return table
 
 
@@ -262,6 +267,33 @@ def gc(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{len(result.garbage)} unreferenced object(s), {total_size}: run without --dry-run to remove them")
     else:
         console.print(f"removed {len(result.garbage)} unreferenced object(s), {total_size}")
+    return 0
+
+
+def rm(args: argparse.Namespace, console: Console) -> int:
+    """Delete one committed step (what only it references goes; chunks later steps use stay), as mgr.delete does
+    on one tier: the newest step only with --force, a local directory only under its writer lock."""
+    storage = open_target(args.dir, args.storage_option)
+    try:  # a manager writing there holds the lock: it deletes with mgr.delete(step), in that process
+        held = writer_lock.acquire(storage.root, purpose="checkpointing rm") if isinstance(storage, LocalStorage) else None
+    except CheckpointError as exc:
+        raise fmt.CommandFailed(f"{exc}; or delete the step in that process: mgr.delete({args.step})") from None
+    try:
+        step = committed_step(storage, args.step)
+        newest = catalog.list_steps(storage).committed[-1]
+        if step == newest and not args.force:
+            raise fmt.CommandFailed(f"step {step} is the newest committed step in {storage.url}: pass --force to delete it anyway")
+        result = collect.delete_committed(storage, step, measure=True)
+    finally:
+        if held is not None:
+            held.release()
+    for p in result.problems:
+        console.print(f"[yellow]kept every data file[/yellow]: {escape(p)} (`checkpointing gc` removes them later)")
+    for kept_step, n in sorted(result.kept.items()):
+        console.print(f"left {n} file(s) of step {kept_step}: later steps still use their chunks", highlight=False)
+    total = fmt.size(sum(g.nbytes for g in result.garbage))
+    console.print(f"deleted step {step} from {escape(storage.url)}: its COMMIT, then {len(result.garbage)} object(s) "
+                  f"nothing else references ({total})", highlight=False)
     return 0
 
 

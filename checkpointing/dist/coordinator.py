@@ -1,21 +1,56 @@
 """The coordinator of a world of one rank: the same merge and commit as across ranks, no store (I/O).
 
 A manager holds one `Coordinator` (types.py): this `LocalCoordinator` without a process group, a
-`StoreCoordinator` (store_coordinator.py) with one. Both merge the ranks' reports the same way
-(format/rank_reports.py) and commit with the same writes (tier/catalog.py: manifest, then COMMIT).
+`StoreCoordinator` (store_coordinator.py) with one; `resolve_group` and `open_coordinator` choose.
+Both merge the ranks' reports the same way (format/rank_reports.py) and commit with the same writes
+(tier/catalog.py: manifest, then COMMIT).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from checkpointing.dist.remote_commit import LocalTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
-from checkpointing.dist.types import Committed, SaveRef, TierCommitter, Written
-from checkpointing.errors import CheckpointError, MergeError
+from checkpointing.dist.keys import new_namespace
+from checkpointing.dist.store_coordinator import StoreCoordinator
+from checkpointing.dist.types import Committed, Coordinator, SaveRef, TierCommitter, Written
+from checkpointing.errors import CheckpointConfigError, CheckpointError, MergeError
 from checkpointing.format.manifest import encode_manifest
 from checkpointing.format.rank_reports import RankPart, merge_parts
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.tierfile import ensure_tier_id
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+def resolve_group(process_group: Any) -> ProcessGroup | None:
+    """The process group to coordinate over (default: WORLD when torch.distributed is initialised),
+    or None for a single rank."""
+    import torch.distributed as dist
+
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    try:
+        world = dist.get_world_size(process_group)
+        rank = dist.get_rank(process_group)
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointConfigError(f"process_group={process_group!r} is not usable: {exc}") from exc
+    if rank < 0:
+        raise CheckpointConfigError("this process is not a member of process_group: create the manager on its ranks only")
+    return None if world == 1 else process_group
+
+
+def open_coordinator(storage: LocalStorage, group: ProcessGroup | None, *, timeout_s: float) -> Coordinator:
+    """A manager's coordinator: one rank's without a group, else one over the store (a collective call)."""
+    if group is None:
+        return LocalCoordinator(storage)
+    namespace = new_namespace(str(getattr(group, "group_name", "") or "world"))
+    return StoreCoordinator(storage, group, timeout_s=timeout_s, namespace=namespace)
 
 
 class LocalCoordinator:
@@ -41,7 +76,7 @@ class LocalCoordinator:
 
     def commit(self, save: SaveRef, part: RankPart) -> Committed:
         try:
-            manifest, _ = merge_parts(save.step, [part], self.tiers)
+            manifest, _ = merge_parts(save.step, [part], self.tiers, save.metrics)
         except MergeError as exc:
             raise CheckpointError(f"step {save.step} cannot be committed: {exc}") from None
         return Committed(manifest, catalog.commit_bytes(self.storage, save.step, encode_manifest(manifest), save.token))

@@ -3,14 +3,15 @@
 Each rank lists the committed steps it can read (every shard it needs is on its local tier, or the
 remote tier holds the step), with a note saying why not the others, or the error that stopped it.
 The answer is the requested step when every rank can read it, else the newest step every rank can
-read; when there is none, the error names each rank that cannot read the newest committed step.
+read; when there is none, the error names each rank that cannot read the newest committed step
+(ranks with the same reason once, as "ranks 0-3").
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from checkpointing.errors import CheckpointError
+from checkpointing.errors import CheckpointError, cause_groups, group_by_cause, rank_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,7 @@ def agreed_step(views: list[RestoreView], requested: int | None) -> int | None:
     """The step to restore (None: nothing is committed anywhere); CheckpointError when ranks cannot agree."""
     failed = {r: v.error for r, v in enumerate(views) if v.error}
     if failed:
-        raise CheckpointError("restore failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+        raise CheckpointError("restore failed on " + group_by_cause(failed))
     common = set(views[0].readable).intersection(*(v.readable for v in views[1:]))
     if requested is not None:
         lacking = [r for r, v in enumerate(views) if requested not in v.readable]
@@ -47,4 +48,4 @@ def agreed_step(views: list[RestoreView], requested: int | None) -> int | None:
 
 
 def _who_cannot(ranks: list[int], views: list[RestoreView]) -> str:
-    return "; ".join(f"rank {r} cannot read it ({views[r].note})" for r in ranks)
+    return "; ".join(f"{rank_ranges(rs)} cannot read it ({note})" for rs, note in cause_groups({r: views[r].note for r in ranks}))

@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 from checkpointing.dist.keys import rank_of
 from checkpointing.dist.types import Store
-from checkpointing.errors import CheckpointError, CoordinationLost, CoordinationTimeout
+from checkpointing.errors import CheckpointError, CoordinationLost, CoordinationTimeout, rank_ranges
 
 _POLL_S = (0.001, 0.01)  # first and largest interval between polls of the store
 
@@ -47,7 +47,7 @@ def wait_keys(store: Store, keys: list[str], deadline: float, what: str, *, time
         return
     missing = sorted(keys_rank(k) for k in keys if not store.check([k]))
     raise CoordinationTimeout(
-        f"{what}: rank(s) {', '.join(map(str, missing))} did not answer in time (timeout_s={timeout_s:g}; "
+        f"{what}: {rank_ranges(missing)} did not answer in time (timeout_s={timeout_s:g}; "
         "dead, hung, or much slower: raise timeout_s if they are only slow)",
         missing,
     )

@@ -6,7 +6,7 @@ Per save (numbered `seq`, the same on every rank; the keys are built in keys.py)
 
     save/<seq>/ws/<rank>    what replicated tensors this rank writes (its local-tier peers skip those bytes)
     save/<seq>/part/<rank>  its report after writing and fsyncing (rank_reports.RankPart), or its error
-    save/<seq>/manifest     rank 0's merged manifest (or nothing, if the step failed)
+    save/<seq>/manifest     rank 0's merged manifest, with rank 0's save() metrics (or nothing, if the step failed)
     save/<seq>/ack/<rank>   each local tier's leader wrote manifest + COMMIT there, or its error
     save/<seq>/status       rank 0's verdict: committed, or which ranks failed and why
 
@@ -26,7 +26,7 @@ from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, poll, store_errors, wait_keys
 from checkpointing.dist.types import Committed, SaveRef, Store, TierCommitter, Written
-from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError
+from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
 from checkpointing.format.decode import decode_manifest
 from checkpointing.format.manifest import encode_manifest, manifest_digest
 from checkpointing.format.rank_reports import RankPart, decode_part, encode_part, merge_parts
@@ -159,7 +159,7 @@ class StoreCoordinator:
             self._verdict(save, roots or failures)
             return False
         try:
-            manifest, per_rank = merge_parts(save.step, parts, self.tiers)
+            manifest, per_rank = merge_parts(save.step, parts, self.tiers, save.metrics)  # rank 0's metrics
         except MergeError as exc:
             self._verdict(save, {0: f"the ranks' reports do not form a consistent checkpoint: {exc}"})
             return False
@@ -245,7 +245,7 @@ class StoreCoordinator:
         self._wait(arrived, time.monotonic() + self.timeout_s, f"waiting for every rank ({name})")
         failed = {r: v[1:].decode("utf-8", "replace") for r, v in enumerate(self.store.multi_get(arrived)) if v.startswith(b"!")}
         if failed:
-            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+            raise CheckpointError(group_by_cause(failed))
 
     def close(self) -> None:
         """Wait until every rank is done with the store (its server may live in rank 0's process)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Protocol
 
-from checkpointing.format.manifest import Manifest
+from checkpointing.format.manifest import Manifest, Metrics
 from checkpointing.format.rank_reports import RankPart
 from checkpointing.storage import Storage
 
@@ -28,11 +28,13 @@ from checkpointing.storage import Storage
 class SaveRef:
     """Which save a coordinator call is about: its step, its number among the manager's saves
     (`seq`, the same on every rank: it names the save's keys in the store) and its token (the
-    manifest's file name on disk)."""
+    manifest's file name on disk); with the metrics save() was given, which the merging rank
+    (rank 0) records in the manifest: rank 0's are the step's."""
 
     step: int
     seq: int
     token: str
+    metrics: Metrics = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

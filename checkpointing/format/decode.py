@@ -37,6 +37,8 @@ MAX_TENSOR_ELEMENTS = 1 << 48  # 256 T elements: far above any real tensor, far 
 _DIGEST = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
 _MANIFEST_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TIER = re.compile(r"^[A-Za-z0-9_-]{0,64}$")  # "": the tier the manifest is read from (version 1)
+MAX_METRICS = 64  # metrics per step (save(..., metrics=...)); they are copied into COMMIT, read with a 64 KiB cap
+MAX_METRIC_NAME = 128
 
 
 
@@ -87,7 +89,26 @@ def decode_commit(data: bytes, where: str) -> CommitMarker:
         step=_int(_field(obj, "step", where), "step", where),
         manifest=check_relpath(_field(obj, "manifest", where), what=f"{where}: manifest"),
         manifest_digest=digest,
+        metrics=check_metrics(obj.get("metrics", {}), where),
     )
+
+
+def check_metrics(metrics: Any, where: str) -> dict[str, int | float]:
+    """Validate a step's metrics (the optional `metrics` field of a manifest and its COMMIT), as a
+    save does before it writes them: at most 64 names of 1-128 printable characters, each a finite
+    number (an int within 64 bits, or a float). Returns them as a plain dict."""
+    if not isinstance(metrics, dict):
+        raise ManifestError(f"{where}: metrics must be an object of names to numbers, found {type(metrics).__name__}")
+    if len(metrics) > MAX_METRICS:
+        raise ManifestError(f"{where}: {len(metrics)} metrics, at most {MAX_METRICS} are allowed")
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_METRIC_NAME or not name.isprintable():
+            raise ManifestError(f"{where}: metric name {name!r:.80} is not a string of 1-{MAX_METRIC_NAME} printable characters")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ManifestError(f"{where}: metric {name!r} is {type(value).__name__} {value!r:.40}, not a number")
+        if isinstance(value, int) and not -(1 << 63) <= value < 1 << 63 or isinstance(value, float) and not math.isfinite(value):
+            raise ManifestError(f"{where}: metric {name!r} is {value!r:.40}: a metric must be finite (an int within 64 bits, or a float)")
+    return dict(metrics)
 
 
 def check_tree(tree: Any, n_tensors: int, where: str) -> None:
@@ -131,7 +152,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
                         raise ManifestError(f"{where}: tensor {t.key!r:.120} references {c.file!r}, which is not in the file table")
                     if c.offset + c.length > sizes[c.file]:
                         raise ManifestError(f"{where}: tensor {t.key!r:.120} references bytes past the end of {c.file!r}")
-    return Manifest(step=step, trees=tuple(raw_trees), tensors=tensors, world_size=world_size, rank_trees=rank_trees, files=files)
+    return Manifest(step=step, trees=tuple(raw_trees), tensors=tensors, world_size=world_size, rank_trees=rank_trees, files=files,
+                    metrics=check_metrics(obj.get("metrics", {}), where))
 
 
 def _decode_files(raw: Any, world_size: int, where: str) -> tuple[FileEntry, ...]:

@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any
+from typing import Any, Mapping, Union
 
 import xxhash
 
@@ -17,6 +17,8 @@ from checkpointing.format.dtypes import dtype_from_name, itemsize
 
 FORMAT_VERSION = 3
 CHUNK_DIGEST = "xxh3-128"
+
+Metrics = Mapping[str, Union[int, float]]  # save(..., metrics=...): finite numbers by name (decode.check_metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Manifest:
     rank_trees: tuple[int, ...] = (0,)  # rank -> index into trees
     files: tuple[FileEntry, ...] = ()
     format_version: int = FORMAT_VERSION
+    metrics: Metrics = dataclasses.field(default_factory=dict)  # rank 0's save(..., metrics=...); {}: none (not written)
 
     @classmethod
     def single(cls, step: int, tree: dict[str, Any], tensors: tuple[TensorEntry, ...], tier: str = "") -> "Manifest":
@@ -102,6 +105,7 @@ class CommitMarker:
     manifest: str  # relative path of the manifest file
     manifest_digest: str  # "sha256:<hex>" of the manifest bytes
     format_version: int = FORMAT_VERSION
+    metrics: Metrics = dataclasses.field(default_factory=dict, hash=False)  # the manifest's, for listing without reading it
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -146,6 +150,7 @@ def encode_manifest(m: Manifest) -> bytes:
         raise ValueError(f"this library writes manifest version {FORMAT_VERSION}, not {m.format_version}")
     return canonical_json(
         {
+            **({"metrics": dict(m.metrics)} if m.metrics else {}),
             "format_version": m.format_version,
             "step": m.step,
             "world_size": m.world_size,
@@ -163,5 +168,6 @@ def encode_manifest(m: Manifest) -> bytes:
 
 def encode_commit(c: CommitMarker) -> bytes:
     return canonical_json(
-        {"format_version": c.format_version, "step": c.step, "manifest": c.manifest, "manifest_digest": c.manifest_digest}
+        {"format_version": c.format_version, "step": c.step, "manifest": c.manifest, "manifest_digest": c.manifest_digest,
+         **({"metrics": dict(c.metrics)} if c.metrics else {})}
     )

@@ -25,7 +25,7 @@ import xxhash
 
 from checkpointing.errors import ManifestError, MergeError
 from checkpointing.format.decode import check_tiling, decode_manifest
-from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest, ShardEntry, TensorEntry, canonical_json, encode_manifest
+from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest, Metrics, ShardEntry, TensorEntry, canonical_json, encode_manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class PartLeaf:
     digest: str  # of dtype, shape and every chunk digest: equal bytes <=> equal digest
     region: int  # assign.UNIQUE / PRIMARY / TIER / OTHER
     chunks: tuple[tuple[str, int, int, str], ...] | None  # (file, offset, length, digest); None: a peer wrote it
+    mesh: tuple[int, ...] = ()  # a DTensor shard's mesh (its ranks): one key on two meshes is two tensors (pipeline stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def encode_part(part: RankPart) -> bytes:
             "tree": part.tree,
             "leaves": [
                 [l.key, l.dtype, list(l.shape), None if l.global_shape is None else [list(l.global_shape), list(l.offsets or ())], l.digest, l.region,
-                 None if l.chunks is None else [list(c) for c in l.chunks]]
+                 None if l.chunks is None else [list(c) for c in l.chunks], list(l.mesh)]
                 for l in part.leaves
             ],
             "borrowed": [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in part.borrowed],
@@ -77,8 +78,8 @@ def decode_part(data: bytes) -> RankPart:
         obj = json.loads(data)
         leaves = tuple(
             PartLeaf(k, dt, tuple(shape), None if g is None else tuple(g[0]), None if g is None else tuple(g[1]), dig, region,
-                     None if chunks is None else tuple((str(f), int(o), int(n), str(d)) for f, o, n, d in chunks))
-            for k, dt, shape, g, dig, region, chunks in obj["leaves"]
+                     None if chunks is None else tuple((str(f), int(o), int(n), str(d)) for f, o, n, d in chunks), tuple(int(r) for r in mesh))
+            for k, dt, shape, g, dig, region, chunks, mesh in obj["leaves"]
         )
         borrowed = tuple(FileEntry(str(p), int(r), str(t), int(n), int(pb)) for p, r, t, n, pb in obj.get("borrowed", []))
         return RankPart(int(obj["rank"]), str(obj["file"]), int(obj["nbytes"]), obj["tree"], leaves, borrowed)
@@ -102,8 +103,9 @@ class _Entry:
     shards: dict[tuple[int, ...], _Shard] = dataclasses.field(default_factory=dict)
 
 
-def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...]) -> tuple[Manifest, frozenset[str]]:
-    """The step's manifest, and the plain-tensor keys whose values differ between ranks."""
+def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metrics: Metrics | None = None) -> tuple[Manifest, frozenset[str]]:
+    """The step's manifest, and the plain-tensor keys whose values differ between ranks. `metrics`:
+    the save's (rank 0's save(..., metrics=...): the merging rank's own), recorded in the manifest."""
     world = len(parts)
     problems: list[str] = []
     entries: list[_Entry] = []
@@ -113,11 +115,10 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...]) -> tup
     for part in parts:
         mapping = []
         for leaf in part.leaves:
+            ident = _ident(leaf)
             if leaf.global_shape is not None:
-                ident: tuple = ("dtensor", leaf.key)
                 shape = leaf.global_shape
             else:
-                ident = ("plain", leaf.key, leaf.digest)
                 shape = leaf.shape
                 plain_digests.setdefault(leaf.key, {}).setdefault(leaf.digest, []).append(part.rank)
             if ident not in index:
@@ -150,7 +151,8 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...]) -> tup
     files = _file_table(parts, tensors, tiers, primary_end, problems)
     if problems:
         raise MergeError(problems)
-    manifest = Manifest(step=step, trees=tuple(trees), tensors=tuple(tensors), world_size=world, rank_trees=tuple(rank_trees), files=files)
+    manifest = Manifest(step=step, trees=tuple(trees), tensors=tuple(tensors), world_size=world, rank_trees=tuple(rank_trees), files=files,
+                        metrics=dict(metrics or {}))
     try:  # what is committed must decode: the reader's own checks, once, here
         decode_manifest(encode_manifest(manifest), f"step {step} manifest")
     except ManifestError as exc:
@@ -197,12 +199,19 @@ def _add_shard(entry: _Entry, leaf: PartLeaf, part: RankPart, problems: list[str
         shard.copies.append((preference, part.rank, refs))
 
 
+def _ident(leaf: PartLeaf) -> tuple:
+    """Which tensor a leaf is part of: a DTensor's key on its mesh; a plain tensor's key and content."""
+    if leaf.global_shape is not None:
+        return ("dtensor", leaf.key, leaf.mesh)
+    return ("plain", leaf.key, leaf.digest)
+
+
 def _check_local_copies(parts: list[RankPart], entries: list[_Entry], index: dict[tuple, int], tiers: tuple[str, ...], problems: list[str]) -> None:
     for part in parts:
         for leaf in part.leaves:
             if leaf.chunks is not None:
                 continue
-            ident = ("dtensor", leaf.key) if leaf.global_shape is not None else ("plain", leaf.key, leaf.digest)
+            ident = _ident(leaf)
             offsets = leaf.offsets if leaf.offsets is not None else (0,) * len(leaf.shape)
             shard = entries[index[ident]].shards.get(offsets)
             if shard is None or not any(tiers[r] == tiers[part.rank] for _, r, _ in shard.copies):

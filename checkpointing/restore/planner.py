@@ -25,6 +25,8 @@ from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
+from checkpointing.restore.selection import Selection, plain_name, tree_keys, unmatched
+from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
 from checkpointing.state.sharding import dtensor_layout, is_dtensor
 from checkpointing.state.tree import is_stateful, join_key
 
@@ -46,7 +48,14 @@ def _children(node: dict) -> list:
         return node.get("list", node.get("tuple"))
     if "stateful" in node:
         return [node["stateful"]]
+    if OPTIONAL in node:
+        return [node[OPTIONAL]]
     return []
+
+
+def _lists_group_params(path: tuple) -> bool:
+    """`path` is an optimizer param group's parameter list (ids, or names in DCP's keyed-by-name form)."""
+    return len(path) >= 3 and path[-1] == "params" and path[-3] == "param_groups" and isinstance(path[-2], int)
 
 
 def _target_has_tensors(obj: Any) -> bool:
@@ -60,10 +69,13 @@ def _target_has_tensors(obj: Any) -> bool:
 
 
 class _Planner:
-    def __init__(self, manifest: Manifest, codecs: tuple[Codec, ...], strict: bool, world_size: int) -> None:
+    def __init__(self, manifest: Manifest, codecs: tuple[Codec, ...], select: Selection, world_size: int, relaid: bool = False) -> None:
         self.manifest = manifest
+        self.relaid = relaid  # planning from the ranks' merged trees because this rank's keys changed
+        self.new_layout = False  # found: the target takes keys another rank saved, or drops ones only some ranks saved
         self.codecs = {c.name: c for c in codecs}
-        self.strict = strict
+        self.select = select
+        self.strict = select.strict
         self.world_size = world_size
         self.problems: list[str] = []
         self.reads: list[ReadBox] = []
@@ -75,13 +87,13 @@ class _Planner:
 
     def value(self, target: Any, node: dict, path: tuple) -> Any:
         """The restored value at `path`; tensors matching the target are read into it."""
+        if OPTIONAL in node:
+            self.new_layout |= bool(node.get(BORROWED))
+            return self.value(target, node[OPTIONAL], path)
+        if self.relaid and _lists_group_params(path) and isinstance(target, list):
+            return target  # which parameters a group holds is the new layout's (its own), not saved state
         if PER_RANK in node:
-            self.problem(
-                path,
-                f"saved per rank (the {self.manifest.world_size} saving ranks hold different values), so it cannot be "
-                f"mapped to {self.world_size} ranks; restore with {self.manifest.world_size} ranks, or leave it out of "
-                "the state passed to restore",
-            )
+            self.problem(path, self.per_rank_text())
             return target
         if "tensor" in node or "ndarray" in node:
             return self.tensor(target, node, path)
@@ -95,6 +107,25 @@ class _Planner:
             self.problem(path, f"saved as a plain value, the target holds a {type(target).__name__}")
             return target
         return self.leaf(node, path)
+
+    def per_rank_text(self) -> str:
+        saved = self.manifest.world_size
+        if self.select.take_all:
+            return (
+                f"saved per rank (the {saved} saving ranks hold different values): load(..., rank=r) reads the value "
+                "rank r saved, or leave it out with exclude="
+            )
+        if self.relaid:
+            return (
+                f"saved per rank (the {saved} saving ranks hold different values) and this rank's keys differ from the "
+                "ones it saved (pipeline stages laid out anew?), so no saved value is known to be its own; key such "
+                "state by name (optimizer state: torch.distributed.checkpoint.state_dict.get_state_dict), restore "
+                "with the saved layout, or leave it out of the state passed to restore"
+            )
+        return (
+            f"saved per rank (the {saved} saving ranks hold different values), so it cannot be mapped to "
+            f"{self.world_size} ranks; restore with {saved} ranks, or leave it out of the state passed to restore"
+        )
 
     def leaf(self, node: dict, path: tuple) -> Any:
         if "value" in node:
@@ -159,6 +190,8 @@ class _Planner:
         self.reads.append(ReadBox(entry, target.detach(), (0,) * len(entry.shape), entry.shape))
 
     def stateful(self, target: Any, node: dict, path: tuple) -> Any:
+        if target is _MISSING or isinstance(target, MutableMapping):  # an object's state_dict() restores into a dict
+            return self.mapping(target, node["stateful"], path)
         if not is_stateful(target):
             self.problem(path, f"saved from a {node['class']} (state_dict), the target is a {type(target).__name__}")
             return target
@@ -174,25 +207,43 @@ class _Planner:
 
     def mapping(self, target: Any, node: dict, path: tuple, *, top: bool = False) -> Any:
         items = node["dict"]
+        if is_stateful(target) and not isinstance(target, MutableMapping):  # a saved state_dict into its object
+            return self.stateful(target, {"stateful": node, "class": "dict"}, path)
         if isinstance(target, MutableMapping):
-            wildcard = len(target) == 0 and not top
-            saved = {k for k, _ in items}
+            wildcard = len(target) == 0 and (not top or self.select.take_all)
+            names = _NameMatch(target, [k for k, _ in items])
             if not wildcard:
                 for k, v in target.items():
-                    if k not in saved and (top or _target_has_tensors(v)) and self.strict:
+                    if not names.saved(k) and (top or _target_has_tensors(v)) and self.strict and self.select.wants(join_key(path + (k,))):
                         self.problem(path + (k,), "missing from the checkpoint")
             out = {}
-            for k, child in items:
+            for saved_key, child in items:
+                k = names.target_key(saved_key)
+                if k not in target and child.get(BORROWED):  # another rank's key, and this target does not want it
+                    continue
+                if not self._selected(child, path + (k,)):
+                    if k in target:
+                        out[k] = target[k]  # outside the selection: the target keeps its value
+                    continue
                 if not wildcard and k not in target and (top or _has_tensors(child)):
+                    if OPTIONAL in child:  # another rank's key (a pipeline stage's module): not this target's
+                        self.new_layout |= not child.get(BORROWED)
+                        continue
                     if self.strict:
                         self.problem(path + (k,), "in the checkpoint but not in the target (unexpected key)")
                     continue
                 out[k] = self.value(target.get(k, _MISSING), child, path + (k,))
+            if self.select.only or self.select.exclude:  # a load_state_dict() sees every key it has
+                out.update({k: v for k, v in target.items() if k not in out and not self.select.wants(join_key(path + (k,)))})
             return out
         if target is not _MISSING and _target_has_tensors(target):
             self.problem(path, f"saved as a dict, the target holds a {type(target).__name__}")
             return target
-        return {k: self.value(_MISSING, child, path + (k,)) for k, child in items}
+        return {k: self.value(_MISSING, child, path + (k,)) for k, child in items if self._selected(child, path + (k,))}
+
+    def _selected(self, node: dict, path: tuple) -> bool:
+        key = join_key(path)
+        return self.select.reaches(key) if _children(node) else self.select.wants(key)
 
     def sequence(self, target: Any, node: dict, path: tuple) -> Any:
         items = node.get("list", node.get("tuple"))
@@ -202,6 +253,26 @@ class _Planner:
             self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
             return target
         return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
+
+
+class _NameMatch:
+    """Saved keys against a target dict's: equal, or equal once wrapper segments are gone (`_orig_mod.`)."""
+
+    def __init__(self, target: MutableMapping, saved: list) -> None:
+        self._target = target
+        self._saved = set(saved)
+        self._saved_plain = {plain_name(k) for k in saved}
+        self._target_plain: dict = {}
+        for k in target:
+            self._target_plain.setdefault(plain_name(k), k)
+
+    def target_key(self, saved_key: Any) -> Any:
+        if saved_key in self._target:
+            return saved_key
+        return self._target_plain.get(plain_name(saved_key), saved_key)
+
+    def saved(self, target_key: Any) -> bool:
+        return target_key in self._saved or plain_name(target_key) in self._saved_plain
 
 
 def _assign(container: Any, key: Any, value: Any) -> None:
@@ -223,26 +294,6 @@ def _assign(container: Any, key: Any, value: Any) -> None:
     container[key] = value
 
 
-PER_RANK = "per_rank"  # marks a node whose value differs between the saving ranks (never written to disk)
-
-
-def merge_trees(trees: list[Any]) -> Any:
-    """One tree for a restore at another world size: equal subtrees kept, differing ones marked."""
-    first = trees[0]
-    if all(t == first for t in trees[1:]):
-        return first
-    if all(isinstance(t, dict) and "dict" in t for t in trees):
-        keys = [[k for k, _ in t["dict"]] for t in trees]
-        if all(k == keys[0] for k in keys[1:]):
-            return {"dict": [[k, merge_trees([t["dict"][i][1] for t in trees])] for i, k in enumerate(keys[0])]}
-    for kind in ("list", "tuple"):
-        if isinstance(first, dict) and kind in first and all(isinstance(t, dict) and kind in t and len(t[kind]) == len(first[kind]) for t in trees):
-            return {kind: [merge_trees([t[kind][i] for t in trees]) for i in range(len(first[kind]))]}
-    if isinstance(first, dict) and "stateful" in first and all(isinstance(t, dict) and "stateful" in t and t["class"] == first["class"] for t in trees):
-        return {"stateful": merge_trees([t["stateful"] for t in trees]), "class": first["class"]}
-    return {PER_RANK: True}
-
-
 @dataclasses.dataclass
 class RestorePlan:
     manifest: Manifest
@@ -261,16 +312,22 @@ class RestorePlan:
         return out
 
 
-def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, codecs: tuple[Codec, ...], strict: bool) -> RestorePlan:
+def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, codecs: tuple[Codec, ...], select: Selection | bool = True) -> RestorePlan:
     """Check `state` against the manifest; raise CheckpointMismatchError listing every problem."""
     if not isinstance(state, MutableMapping):
         raise TypeError(f"restore() needs the dict of objects to restore into, got {type(state).__name__}")
-    if world_size == manifest.world_size:
-        tree = manifest.tree_of(rank)
-    else:
-        tree = merge_trees([manifest.tree_of(r) for r in range(manifest.world_size)])
-    planner = _Planner(manifest, codecs, strict, world_size)
-    values = planner.mapping(state, tree, (), top=True)
+    union = merge_trees([manifest.tree_of(r) for r in range(manifest.world_size)])
+    select = select if isinstance(select, Selection) else Selection(strict=bool(select))
+    planner = _Planner(manifest, codecs, select, world_size, relaid=world_size != manifest.world_size)
+    values = planner.mapping(state, union if planner.relaid else overlay(manifest.tree_of(rank), union), (), top=True)
+    if planner.new_layout and not planner.relaid:  # this rank's keys changed: its own values may not be its own now
+        planner = _Planner(manifest, codecs, select, world_size, relaid=True)
+        values = planner.mapping(state, union, (), top=True)
+    for pattern in unmatched(select, tree_keys(union)):
+        planner.problems.append(
+            f"{pattern!r} (in only=/exclude=/keys=) matches no key of step {manifest.step}; its top-level keys are "
+            f"{', '.join(repr(k) for k, _ in union['dict'][:12])}"
+        )
     if planner.problems:
         raise CheckpointMismatchError(manifest.step, planner.problems)
     return RestorePlan(manifest, planner.reads, planner.loads, values)

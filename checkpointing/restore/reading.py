@@ -49,12 +49,14 @@ class Sources:
     def __init__(self, manifest: Manifest, local: Storage | None, tier: str, remote: Storage | None = None, *, where: str = "") -> None:
         self.tier_of = {f.path: f.tier for f in manifest.files}
         self.rank_of = {f.path: f.rank for f in manifest.files}
+        self.step_bytes = manifest.nbytes
         self.local = local
         self.tier = tier
         self.remote = remote
         self.where = where
         self._lock = threading.Lock()
         self.remote_bytes = 0  # bytes read from the remote tier (restore's log line)
+        self.bytes_read = 0  # bytes of chunks read from any tier (each rank reads only what its targets overlap)
         self.fallbacks: list[str] = []  # local copies that failed verification and were read remotely
 
     def pick(self, shard: ShardEntry) -> tuple[Storage, tuple[ChunkRef, ...]] | None:
@@ -66,9 +68,19 @@ class Sources:
             return self.remote, shard.chunks
         return None
 
-    def count_remote(self, nbytes: int) -> None:
+    def count(self, storage: Storage, nbytes: int) -> None:
         with self._lock:
-            self.remote_bytes += nbytes
+            self.bytes_read += nbytes
+            if storage is self.remote:
+                self.remote_bytes += nbytes
+
+    def summary(self, local_name: str, remote_name: str) -> str:
+        """Where the bytes came from, for the restore's log line."""
+        local = self.bytes_read - self.remote_bytes
+        parts = [f"{local / 1e6:.1f} MB from {local_name}"] if local or not self.remote_bytes else []
+        if self.remote_bytes:
+            parts.append(f"{self.remote_bytes / 1e6:.1f} MB from the remote tier {remote_name}")
+        return f"{' and '.join(parts)} (the step holds {self.step_bytes / 1e6:.1f} MB)"
 
     def fell_back(self, note: str) -> None:
         with self._lock:
@@ -105,19 +117,18 @@ def read_box(sources: Sources, step: int, read: ReadBox) -> None:
 
 def _read_shard(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], read: ReadBox, sources: Sources) -> None:
     dest = read.dest
-    if storage is sources.remote:
-        sources.count_remote(sum(c.length for c in chunks))
     whole = shard.offsets == read.box_offsets and shard.shape == read.box_shape
     if whole and dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+        sources.count(storage, sum(c.length for c in chunks))
         _read_chunks(storage, step, entry, chunks, tensor_view(dest), 0)  # straight into the target
         return
     box = intersect(read.box_offsets, read.box_shape, shard.offsets, shard.shape)
     assert box is not None
-    _copy_box(storage, step, entry, shard, chunks, box, read)
+    sources.count(storage, _copy_box(storage, step, entry, shard, chunks, box, read))
 
 
-def _copy_box(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], box: tuple, read: ReadBox) -> None:
-    """Read the whole chunks that hold `box`'s rows of `shard`, verify them, copy the box into dest."""
+def _copy_box(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], box: tuple, read: ReadBox) -> int:
+    """Read the whole chunks that hold `box`'s rows of `shard`, verify them, copy the box into dest; the bytes read."""
     dtype = dtype_from_name(entry.dtype)
     size = torch.empty((), dtype=dtype).element_size()
     offsets, shape = box
@@ -136,10 +147,11 @@ def _copy_box(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry
         rows = rows.clone()  # a chunk boundary that is not element-aligned
     if not shard.shape:
         read.dest.copy_(rows.view(dtype).reshape(()))
-        return
+        return len(buf)
     rows = rows.view(dtype).reshape((r1 - r0,) + tuple(shard.shape[1:]))
     src = rows[(slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(offsets[1:], shard.offsets[1:], shape[1:]))]
     read.dest[tuple(slice(o - b, o - b + n) for o, b, n in zip(offsets, read.box_offsets, shape))].copy_(src)
+    return len(buf)
 
 
 def _read_chunks(storage: Storage, step: int, entry: TensorEntry, chunks: tuple[ChunkRef, ...], view: memoryview, pos: int) -> None:

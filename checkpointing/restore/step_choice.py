@@ -18,6 +18,7 @@ from checkpointing.dist.types import Coordinator
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import RestorePlan, Sources, plan_restore
+from checkpointing.restore.selection import Selection
 from checkpointing.state.codecs import Codec
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
@@ -38,7 +39,7 @@ class _Readable:
 def choose_step(
     state: Mapping[str, Any],
     step: int | None,
-    strict: bool,
+    strict: bool | Selection,
     *,
     local: LocalStorage,
     remote: Storage | None,
@@ -76,7 +77,7 @@ class _Tiers:
     codecs: tuple[Codec, ...]
 
 
-def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool, tiers: _Tiers) -> _Readable:
+def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | Selection, tiers: _Tiers) -> _Readable:
     """Plan the candidates, newest first (only `step` when given); with one rank and no `step`, stop at the first readable one."""
     local, remote, remote_steps, coord, codecs = tiers.local, tiers.remote, tiers.remote_steps, tiers.coord, tiers.codecs
     rank, world_size = coord.rank, coord.world_size
@@ -91,7 +92,7 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool, ti
             continue
         try:
             manifest = _load_manifest(local if s in local_steps else None, remote if s in remote_steps else None, s)
-            plan = plan_restore(state, manifest, rank=rank, world_size=world_size, codecs=codecs, strict=strict)
+            plan = plan_restore(state, manifest, rank=rank, world_size=world_size, codecs=codecs, select=strict)
         except CheckpointCorruptError as exc:
             if step is not None or world_size == 1:
                 found.error = exc

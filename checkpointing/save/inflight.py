@@ -1,7 +1,7 @@
 """The saves a manager issued and has not yet reported: the newest save, the uploads not yet waited for (orchestration).
 
 The training thread owns this object: save() adds each job (SaveIssuer) after waiting here for the
-one before it, wait() and restore() wait here, the optimizer step pre-hook guards the newest save.
+one before it, wait(), restore() and delete() wait here, the optimizer step pre-hook guards the newest save.
 The background threads only read `steps()` (local retention leaves a save in flight alone).
 
 Saves run one at a time: a save requested while the previous one still writes waits for it
@@ -73,6 +73,13 @@ class InFlight:
         self.uploads = [u for u in self.uploads if u not in uploads]
         for up in uploads:
             up.raise_error()
+
+    def settle(self) -> None:
+        """The newest save has finished and so has every upload (delete(): nothing of this manager
+        writes to a tier meanwhile); their errors stay for the next save()/wait()."""
+        self.wait_local()
+        for up in list(self.uploads):
+            up.done.wait()
 
     def wait_local(self) -> None:
         """The newest save has finished on the local tier (its error stays for later)."""

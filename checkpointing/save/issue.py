@@ -11,13 +11,16 @@ job carrying the error), so the other ranks, which are saving the same step, hea
 
 from __future__ import annotations
 
+import logging
+import numbers
 import time
 from typing import Any, Mapping
 
 import torch
 
-from checkpointing.errors import CheckpointError
+from checkpointing.errors import CheckpointConfigError, CheckpointError, ManifestError
 from checkpointing.format import naming
+from checkpointing.format.decode import check_metrics
 from checkpointing.observe.accounting import SaveAccounting
 from checkpointing.options import ManagerOptions
 from checkpointing.save.inflight import InFlight
@@ -29,6 +32,8 @@ from checkpointing.state.tree import FlatState, flatten_state
 from checkpointing.storage import LocalStorage
 from checkpointing.tier import catalog
 
+log = logging.getLogger("checkpointing")
+
 
 class SaveIssuer:
     """Issues the saves of one manager, in order; each gets the next `seq` (the same on every rank)."""
@@ -39,6 +44,8 @@ class SaveIssuer:
         self._planner, self._inflight, self._worker, self._uploader = planner, inflight, worker, uploader
         self._acct, self._world_size = acct, world_size
         self._seq = 0
+        policies = (options.local_retention, options.remote_retention)
+        self._ranked_by = frozenset().union(*(p.metric_names for p in policies if p is not None))  # KeepBest's metrics
 
     @property
     def current(self) -> SaveJob | None:
@@ -52,7 +59,8 @@ class SaveIssuer:
             steps |= self._uploader.remote_steps()
         return steps
 
-    def issue(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None) -> SaveJob:
+    def issue(self, step: int, state: Mapping[str, Any], *, eager: bool | None = None,
+              metrics: Mapping[str, Any] | None = None) -> SaveJob:
         """Snapshot `state` as `step` (CheckpointManager.save); returns once the training loop may go on."""
         t0 = time.perf_counter()
         wall = time.time()
@@ -61,6 +69,7 @@ class SaveIssuer:
         seq = self._seq
         self._seq += 1
         try:
+            checked = self._metrics(step, metrics)
             flat = self._flatten(step, state, eager)
             plan, regions = self._planner.plan_for(flat)
         except BaseException as exc:
@@ -74,7 +83,7 @@ class SaveIssuer:
             start_event.record(torch.cuda.current_stream())
         options = self._options
         inputs = SaveInputs(step, seq, flat, plan, regions, t0, wall, wait_prev_s, base=self._worker.take_base(), start_event=start_event,
-                            watch_writes=options.incremental and options.change_detection == "auto")
+                            watch_writes=options.incremental and options.change_detection == "auto", metrics=checked)
         job = SaveJob(inputs, with_upload=self._uploader is not None)
         self._inflight.add(job)
         self._acct.issued(step, t0)
@@ -91,11 +100,48 @@ class SaveIssuer:
     def _flatten(self, step: int, state: Mapping[str, Any], eager: bool | None) -> FlatState:
         if step in self.committed_steps():
             raise CheckpointError(
-                f"step {step} is already committed in {self._storage.root}: checkpoints are immutable; "
-                "save under a new step number (or delete that step first)"
+                f"step {step} is already committed in {self._storage.root}"
+                f"{' or on the remote tier' if self._uploader is not None else ''}: checkpoints are immutable; save under "
+                f"a new step number, or delete that step first with mgr.delete({step}) (the newest step: "
+                f"mgr.delete({step}, allow_latest=True); CLI: checkpointing rm DIR_OR_URL --step {step})"
             )
         return flatten_state(state, codecs=self._options.codecs, eager=eager if eager is not None else self._options.snapshot == "eager")
+
+    def _metrics(self, step: int, metrics: Mapping[str, Any] | None) -> dict[str, int | float]:
+        """save()'s metrics, checked; a warning (once) when a KeepBest policy's metric is missing."""
+        checked = checked_metrics(step, metrics)
+        missing = self._ranked_by - checked.keys()
+        if missing:
+            log.warning("checkpointing: step %d was saved without metrics %s, by which the retention (KeepBest) ranks steps: "
+                        "only the other rules can keep it; pass save(step, state, metrics={...})", step, sorted(missing))
+            self._ranked_by = frozenset()  # once
+        return checked
 
     def _submit(self, job: SaveJob) -> None:
         self._inflight.add(job)
         self._worker.submit(job)
+
+
+def checked_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, int | float]:
+    """save(..., metrics=...) as the manifest records them: names to finite ints or floats (numpy
+    scalars are converted; a tensor is refused: pass loss.item(), which save() should not wait for
+    a device to compute)."""
+    if metrics is None:
+        return {}
+    where = f"save(step={step}, metrics=...)"
+    if not isinstance(metrics, Mapping):
+        raise CheckpointConfigError(f"{where} takes a dict of names to numbers, e.g. metrics={{'loss': 0.31}}; got a {type(metrics).__name__}")
+    out: dict[Any, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            value = float(value)
+        else:
+            hint = " (a tensor: pass loss.item())" if isinstance(value, torch.Tensor) else ""
+            raise CheckpointConfigError(f"{where}: metric {name!r:.80} is a {type(value).__name__}{hint}; pass an int or a float")
+        out[name] = value
+    try:
+        return check_metrics(out, where)
+    except ManifestError as exc:
+        raise CheckpointConfigError(str(exc)) from None

@@ -27,7 +27,7 @@ import torch
 from checkpointing.dist.types import SaveRef
 from checkpointing.errors import CheckpointSaveError
 from checkpointing.format import naming
-from checkpointing.format.manifest import ChunkRef, Manifest
+from checkpointing.format.manifest import ChunkRef, Manifest, Metrics
 from checkpointing.observe.metrics import SaveStats
 from checkpointing.plan.pack import PackPlan, plan_pack
 from checkpointing.plan.reuse import PlaceKey, ReuseBase
@@ -52,11 +52,12 @@ class SaveInputs:
     base: ReuseBase | None = None  # the previous save's chunks this one may take instead of writing (incremental)
     start_event: torch.cuda.Event | None = None  # CUDA: recorded on the compute stream in save()
     watch_writes: bool = False  # ask the kernel which pages were written since the last save (writewatch.py)
+    metrics: Metrics = dataclasses.field(default_factory=dict)  # save(..., metrics=...), checked (rank 0's go into the manifest)
 
     @property
     def ref(self) -> SaveRef:
         """Which save this is, as the coordinator is told (dist/types.py)."""
-        return SaveRef(self.step, self.seq, self.token)
+        return SaveRef(self.step, self.seq, self.token, self.metrics)
 
 
 class Staging:

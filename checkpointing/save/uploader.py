@@ -11,7 +11,7 @@ once the step is committed on the local tier; uploads then run one step at a tim
    A resumed upload skips objects that are already on the remote tier with their exact size
    (objects appear whole: a multipart upload is invisible until completed).
 2. Commit (dist/remote_commit.py): rank 0 writes the manifest, then COMMIT with a conditional create.
-3. Tidy: rank 0 applies keep_remote on the remote tier (tier/collect.apply_retention); then the
+3. Tidy: rank 0 applies keep_remote (a retention policy) on the remote tier (tier/collect.apply_retention); then the
    uploader's `on_finish` (save/worker.AfterUpload) records the save and applies keep_local (steps
    still waiting for their upload, `PendingUploads`, are never deleted locally).
 
@@ -37,6 +37,7 @@ from checkpointing.format import naming
 from checkpointing.dist.types import Coordinator, TierCommitter
 from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format.manifest import Manifest, encode_manifest, manifest_digest
+from checkpointing.plan.retention import RetentionPolicy
 from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
 
@@ -75,7 +76,7 @@ class Uploader:
         committer: TierCommitter,
         *,
         rank: int,
-        keep_remote: int | None,
+        keep_remote: RetentionPolicy | None,
         on_finish: Callable[[UploadJob], None],
         pending: PendingUploads,
     ) -> None:
@@ -181,7 +182,8 @@ class Uploader:
         return files if pins.still_committed(self.remote, step, digest) else frozenset()
 
     def _retain(self, step: int) -> None:
-        """Rank 0 after a remote commit: keep_remote, and what no remote step or upload in flight references."""
+        """Rank 0 after a remote commit: keep_remote (never `step`, the newest step there, or an upload in
+        flight; a KeepBest reads the remote COMMITs' metrics), and what no remote step or upload in flight references."""
         try:
             retired = collect.apply_retention(self.remote, self.keep_remote, protect=step, in_flight=self.pending.steps(),
                                               sweep=True, where=f"on the remote tier {self.remote.url}")
@@ -191,7 +193,7 @@ class Uploader:
 
 
 def start_uploader(
-    local: LocalStorage, remote: FsspecStorage, coord: Coordinator, *, keep_remote: int | None,
+    local: LocalStorage, remote: FsspecStorage, coord: Coordinator, *, keep_remote: RetentionPolicy | None,
     on_finish: Callable[[UploadJob], None], pending: PendingUploads,
 ) -> tuple[Uploader, list[UploadJob]]:
     """Start the upload thread, and resume the uploads an earlier process did not finish (a collective call).

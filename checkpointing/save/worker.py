@@ -24,6 +24,7 @@ from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
 from checkpointing.format.manifest import ChunkRef
 from checkpointing.plan import scrub
+from checkpointing.plan.retention import RetentionPolicy
 from checkpointing.plan.reuse import ReuseBase, base_after_restore, base_after_save
 from checkpointing.save.job import SaveJob, UploadJob
 from checkpointing.save.records import SaveRecords
@@ -38,11 +39,12 @@ log = logging.getLogger("checkpointing")
 
 
 class LocalRetention:
-    """keep_local on this rank's local tier, applied by its leader only (`enabled`): never a step
-    whose upload is not finished (`pending`), nor the save in flight (`in_flight`). Runs on the
-    ckpt-io thread after a commit and on the ckpt-upload thread after an upload, one at a time."""
+    """keep_local (a retention policy, plan/retention.py) on this rank's local tier, applied by its
+    leader only (`enabled`): never the newest committed step, a step whose upload is not finished
+    (`pending`), nor the save in flight (`in_flight`). Runs on the ckpt-io thread after a commit and
+    on the ckpt-upload thread after an upload, one at a time."""
 
-    def __init__(self, storage: LocalStorage, keep: int | None, *, enabled: bool, in_flight: Callable[[], set[int]],
+    def __init__(self, storage: LocalStorage, keep: RetentionPolicy | None, *, enabled: bool, in_flight: Callable[[], set[int]],
                  pending: PendingUploads | None) -> None:
         self._storage, self._keep, self._enabled = storage, keep, enabled
         self._in_flight, self._pending = in_flight, pending
@@ -54,7 +56,7 @@ class LocalRetention:
             self._apply(newest)
 
     def after_upload(self) -> None:
-        """An upload finished: its step may go now (keep_local counts from the newest committed step)."""
+        """An upload finished: its step may go now (if keep_local does not keep it)."""
         if self._enabled:
             newest = catalog.list_steps(self._storage).committed
             if newest:
@@ -86,7 +88,8 @@ class SaveWorker:
 
     `base` is the newest committed save's chunks for the next incremental save to take from: the
     worker sets it after each commit (before the save's `done`), save() takes it for its job
-    (`take_base`), restore() replaces it (`use_restored`); both of those only while no save runs.
+    (`take_base`), restore() replaces it (`use_restored`), delete() drops it (`forget`); those only
+    while no save runs.
     Chunks that re-verification found damaged are dropped from a save's base when it starts (on
     this thread, so that one found after save() took the base still counts).
     """
@@ -115,6 +118,12 @@ class SaveWorker:
     def drop_base(self) -> None:
         """The next save has no base (restore() is about to overwrite the state, and may fail)."""
         self._base = None
+
+    def forget(self, step: int) -> None:
+        """delete() removed `step`: it is no base for the next save (which then writes every chunk).
+        A base of another step stays: the files it borrows from are kept while it is committed."""
+        if self._base is not None and self._base.step == step:
+            self._base = None
 
     def use_restored(self, step: int, *, clean: bool = True) -> None:
         """restore() read `step`: the next save's base is that step on this rank's local tier; none when

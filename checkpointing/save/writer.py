@@ -114,6 +114,7 @@ def _part(inputs: SaveInputs, rank: int, pack_path: str, pack: _PackWriter, refs
             leaf.layout.global_shape if leaf.layout else None, leaf.layout.offsets if leaf.layout else None,
             digests[n], inputs.regions[n],
             tuple((r.file, r.offset, r.length, r.digest) for r in (refs[i] for i in by_leaf[n]) if r is not None) if stored[n] else None,
+            leaf.layout.mesh_ranks if leaf.layout else (),
         )
         for n, leaf in enumerate(inputs.flat.leaves)
     )

@@ -1,6 +1,8 @@
 """The steps on one tier: list them, read a committed step's manifest, commit (I/O).
 
 A step is committed only when its COMMIT marker exists and names a manifest whose sha256 matches.
+The COMMIT also carries the step's metrics (save(..., metrics=...)), copied from its manifest, so
+that retention reads them without reading any manifest (`step_infos`).
 Write order: pack data -> manifest -> COMMIT. Deleting (retention, gc) is collect.py's: COMMIT first,
 then whatever no committed step or save in flight references.
 """
@@ -15,6 +17,7 @@ from checkpointing.format import naming
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CommitConflictError, ManifestError
 from checkpointing.format.decode import decode_commit, decode_manifest
 from checkpointing.format.manifest import CommitMarker, Manifest, encode_commit, encode_manifest, manifest_digest
+from checkpointing.plan.retention import StepInfo
 from checkpointing.storage import Storage
 from checkpointing.storage.local import SymlinkSkipped
 from checkpointing.tier.tierfile import read_tier_id
@@ -121,8 +124,9 @@ def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> str:
     """commit() for a manifest already encoded (every tier stores the very same bytes)."""
     path = naming.manifest_name(step, token)
     storage.put(path, data)
-    check_files(storage, decode_manifest(data, f"step {step} manifest"))  # the last moment before COMMIT
-    marker = CommitMarker(step, path, manifest_digest(data))
+    manifest = decode_manifest(data, f"step {step} manifest")
+    check_files(storage, manifest)  # the last moment before COMMIT
+    marker = CommitMarker(step, path, manifest_digest(data), metrics=manifest.metrics)  # listed without reading the manifest
     storage.put(naming.commit_name(step), encode_commit(marker), exclusive=True)
     return marker.manifest_digest
 
@@ -148,6 +152,22 @@ def size_mismatches(storage: Storage, expected: Iterable[tuple[str, int]]) -> It
             found = None
         if found != nbytes:
             yield path, found, nbytes
+
+
+def step_infos(storage: Storage, steps: Iterable[int], *, metrics: bool) -> list[StepInfo]:
+    """The committed `steps` as retention sees them; with `metrics`, each with the metrics its COMMIT
+    records (one small read per step). A step whose COMMIT is damaged has none; an OSError (the tier
+    cannot be read now) is the caller's."""
+    if not metrics:
+        return [StepInfo(s) for s in steps]
+    out = []
+    for s in steps:
+        try:
+            out.append(StepInfo(s, read_commit(storage, s).metrics))
+        except CheckpointError as exc:
+            log.debug("checkpointing: step %d in %s has no readable metrics: %s", s, storage.url, exc)
+            out.append(StepInfo(s))
+    return out
 
 
 def committed_digest(storage: Storage, step: int) -> str | None:

@@ -1,9 +1,10 @@
-"""Reference-safe deletion on one tier: retention, incomplete steps, `checkpointing gc` (I/O).
+"""Reference-safe deletion on one tier: retention, delete of a step, incomplete steps, `checkpointing gc` (I/O).
 
 An incremental save's manifest references chunks in earlier steps' files, so deleting a step is
 two things: retiring it (its COMMIT goes, so nobody restores it) and collecting the files that no
-committed step and no save in flight needs any more. The protocol (docs/format.md, "Pins and
-garbage collection") in short:
+committed step and no save in flight needs any more. Retention (`apply_retention`), an explicit
+delete (`delete_committed`: mgr.delete, `checkpointing rm`) and `checkpointing gc` all go through
+`collect`. The protocol (docs/format.md, "Pins and garbage collection") in short:
 
 - a writer pins its step before it creates any file there or refers to any earlier file: a pin
   (step-N/PIN.r<rank>.<token>.json) names the earlier files it may take chunks from; it then
@@ -29,7 +30,8 @@ from typing import Callable, Collection
 
 from checkpointing.tier import catalog
 from checkpointing.format import naming
-from checkpointing.errors import CheckpointError, ManifestError
+from checkpointing.errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from checkpointing.plan.retention import RetentionPolicy, as_policy, steps_to_delete
 from checkpointing.storage import Storage
 from checkpointing.tier.pins import PIN_PREFIX, read_pin
 
@@ -245,27 +247,32 @@ class _Sweep:
                 self.drop(path, "not referenced by the step's manifest")
 
 
-def apply_retention(storage: Storage, keep: int | None, *, protect: int | Collection[int] | None = None,
+def apply_retention(storage: Storage, keep: int | RetentionPolicy | None, *, protect: int | Collection[int] | None = None,
                     in_flight: Collection[int] = (), sweep: bool = False, where: str | None = None) -> list[int]:
-    """Retire committed steps beyond the newest `keep` (never those in `protect`; None keeps all) and
-    collect what they alone referenced; returns the retired steps. `in_flight`: this process's saves
-    (or uploads) in flight. The retention of both tiers after each save or upload.
+    """Retire the committed steps the tier's retention does not keep and collect what they alone
+    referenced; returns the retired steps. `keep`: a policy (plan/retention.py), n for the newest n,
+    None to keep all; the newest committed step and those in `protect` always stay. A policy that
+    reads metrics (KeepBest) gets them from the steps' COMMIT markers. `in_flight`: this process's
+    saves (or uploads) in flight. The retention of both tiers after each save or upload.
 
     `sweep`: collect also when no step is retired (a failed upload's files on the remote tier), and
-    leave an OSError to the caller; without it a failed delete is logged and retried next time.
+    leave an OSError to the caller; without it a failed read or delete is logged and retried next time.
     `where`: the tier as the log names it (default "in <url>").
     """
-    from checkpointing.plan.retention import steps_to_delete
-
-    doomed = [] if keep is None else steps_to_delete(catalog.list_steps(storage).committed, keep, protect=protect)
-    if not doomed and not sweep:
-        return []
+    policy = as_policy(keep)
+    doomed: list[int] = []
     try:
+        if policy is not None:
+            committed = catalog.list_steps(storage).committed
+            infos = catalog.step_infos(storage, committed, metrics=bool(policy.metric_names))
+            doomed = steps_to_delete(infos, policy, protect=protect)
+        if not doomed and not sweep:
+            return []
         result = collect(storage, retire=doomed, protect=in_flight, scan_committed=False)
     except OSError as exc:  # one failed delete must not stop training; retried after the next save
         if sweep:
             raise
-        log.warning("checkpointing: could not delete steps %s from %s: %s", doomed, storage.url, exc)
+        log.warning("checkpointing: could not delete steps %s from %s: %s", doomed or "(none chosen yet)", storage.url, exc)
         return []
     for p in result.problems:
         log.warning("checkpointing: retention %s kept every data file: %s", where or f"in {storage.url}", p)
@@ -275,6 +282,38 @@ def apply_retention(storage: Storage, keep: int | None, *, protect: int | Collec
 def delete_step(storage: Storage, step: int) -> None:
     """Retire `step` (if committed) and remove what only it referenced."""
     collect(storage, retire=[step])
+
+
+def delete_committed(storage: Storage, step: int, *, in_flight: Collection[int] = (), measure: bool = False) -> Collected:
+    """Delete the committed step `step` on this tier (mgr.delete, `checkpointing rm`): retention's
+    deletion for one named step. Its COMMIT goes first; then whatever no committed step and no save
+    in flight (`in_flight`, pins) references: files of `step` that later steps borrow chunks from
+    stay (`kept`). CheckpointNotFoundError when `step` is not committed here; CheckpointError when
+    its COMMIT cannot be removed. A failure after that (the step is deleted, some of its files are
+    left) is logged: the next retention or `checkpointing gc` removes them."""
+    if step not in catalog.list_steps(storage).committed:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url}")
+    try:
+        result = collect(storage, retire=[step], protect=in_flight, scan_committed=False, measure=measure)
+    except OSError as exc:
+        if catalog.committed_digest(storage, step) is not None:
+            raise CheckpointError(f"could not delete step {step} from {storage.url}: {exc}") from exc
+        log.warning("checkpointing: deleted step %d from %s, but some of its files are left (%s): the next retention "
+                    "or `checkpointing gc` removes them", step, storage.url, exc)
+        return Collected([step], [], {}, [], [str(exc)])
+    for p in result.problems:
+        log.warning("checkpointing: deleted step %d from %s and kept every data file: %s", step, storage.url, p)
+    return result
+
+
+def remove_incomplete(storage: Storage) -> None:
+    """A writer's start, under the writer lock: remove the saves that did not commit (every pin is a
+    crashed save's) and log each step removed."""
+    result = collect(storage, pin_ttl_s=0)
+    for step in sorted({naming.parse_step_dir(g.path.split("/")[0]) for g in result.garbage if g.reason.startswith("incomplete")}):
+        log.info("checkpointing: removed incomplete step %d (a save that did not commit) from %s", step, storage.url)
+    for p in result.problems:
+        log.warning("checkpointing: not tidying %s: %s", storage.url, p)
 
 
 def _size(storage: Storage, path: str) -> int:

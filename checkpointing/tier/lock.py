@@ -3,9 +3,10 @@
 The lock is `fcntl.flock(LOCK_EX)` on the file `WRITER` in the tier's root, taken without waiting and
 held for the writer's lifetime; the kernel drops it when the process dies (a SIGKILLed job leaves no
 stale lock). The file's content (JSON: pid, host, since) names the holder for the error a second
-writer gets; it is only informative, the flock is the lock. Readers (listing, restore, the CLI's
-read-only commands) never take it. Within one process a second manager on the same directory shares
-the lock (reference-counted) and does not tidy (`first` is False).
+writer gets; it is only informative, the flock is the lock. Readers (a manager opened read_only=True,
+the CLI's read-only commands) never take it; `checkpointing gc` and `rm` take it to delete. Within
+one process a second manager on the same directory shares the lock (reference-counted) and does not
+tidy (`first` is False).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def acquire(root: Path, *, purpose: str = "a CheckpointManager") -> WriterLock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:  # a link there (never followed), or the directory is read-only
         raise CheckpointError(f"cannot open the writer lock {path}: {exc}; it must be a regular file in a writable directory "
-                              "(remove a link or anything else there)") from None
+                              "(remove a link or anything else there); to only read the checkpoints there, open "
+                              "CheckpointManager(dir, read_only=True)") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -108,8 +110,8 @@ def _holder(fd: int) -> str:
 def _locked_message(root: Path, holder: str, purpose: str) -> str:
     return (f"cannot open {root} for writing with {purpose}: {holder} writes it (it holds {root / LOCK_NAME}). "
             "Two writers would delete each other's saves in flight. Stop that process, or give this one its own "
-            "directory; to only read the checkpoints use the CLI (checkpointing ls/inspect/verify/export) or a "
-            "manager in the process that writes them")
+            "directory; to only read the checkpoints open CheckpointManager(dir, read_only=True) (it takes no lock) or use "
+            "the CLI (checkpointing ls/inspect/verify/export)")
 
 
 class NotHeld:

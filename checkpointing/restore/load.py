@@ -1,0 +1,87 @@
+"""`checkpointing.load()`: a committed step as a fresh dict, with no model built first (layer: restore).
+
+Read-only: it opens the directory or URL without creating anything (no TIER file, no lock, no
+tidying) and reads only the chunks of the selected keys, each verified. Objects saved through
+state_dict() come back as their state dicts; sharded tensors come back whole; values the saving
+ranks held per rank (an RNG state) come back for one named rank, or are refused by key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from checkpointing.errors import CheckpointConfigError, CheckpointError, CheckpointNotFoundError
+from checkpointing.restore.planner import Sources, execute, plan_restore
+from checkpointing.restore.selection import Selection
+from checkpointing.state.codecs import Codec
+from checkpointing.storage import Storage, open_storage
+from checkpointing.storage.redact import redact_url
+from checkpointing.tier import catalog
+from checkpointing.tier.opening import ReadOnlyLocalStorage
+from checkpointing.tier.tierfile import read_tier_id
+
+
+def load(
+    path_or_url: str | os.PathLike,
+    step: int | None = None,
+    *,
+    keys: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    rank: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    codecs: Iterable[Codec] = (),
+) -> dict[str, Any]:
+    """Step `step` (default: the newest committed) of the checkpoint at `path_or_url` as a nested dict.
+
+    keys / exclude: glob patterns over keys as the manifest names them ("model", "model/*",
+    "optim/state/*/exp_avg"); only the selected tensors' bytes are read. rank: for a checkpoint saved
+    by several ranks, read the values each rank saved for itself (per-rank values) as rank `rank`
+    saved them; without it such values are refused by key (sharded and replicated tensors need no
+    rank: they come back whole). codecs: the Codec objects values were saved with.
+    """
+    storage = _open(path_or_url, storage_options)
+    committed = catalog.list_steps(storage).committed
+    if not committed:
+        raise CheckpointNotFoundError(f"{storage.url} holds no committed step")
+    if step is None:
+        step = max(committed)
+    elif step not in committed:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {_listing(committed)})")
+    manifest = catalog.load_manifest(storage, step)
+    if rank is not None and not 0 <= rank < manifest.world_size:
+        raise CheckpointConfigError(f"rank={rank}: step {step} was saved by {manifest.world_size} rank(s) (0..{manifest.world_size - 1})")
+    select = Selection.of(True, keys, exclude, take_all=True)
+    world = manifest.world_size if rank is not None else 1
+    plan = plan_restore({}, manifest, rank=rank or 0, world_size=world, codecs=tuple(codecs), select=select)
+    here = read_tier_id(storage)
+    if here is None:  # a remote tier (or a directory that never held a writer's TIER id): every primary copy
+        sources = Sources(manifest, None, "", remote=storage)
+    else:
+        sources = Sources(manifest, storage, here, where=f" (load reads {storage.url}; its other shards are on other ranks' local tiers)")
+    missing = plan.missing(sources)
+    if missing:
+        raise CheckpointError(
+            f"step {step}: {len(missing)} shard(s) are not in {storage.url}, e.g. {missing[0]}: load from the remote tier, "
+            "or from a directory that holds every rank's files"
+        )
+    state: dict[str, Any] = {}
+    execute(plan, state, sources)
+    return state
+
+
+def _open(path_or_url: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Storage:
+    target = os.fspath(path_or_url)
+    if "://" in target:
+        return open_storage(target, storage_options)
+    if storage_options:
+        raise CheckpointConfigError(f"storage_options apply to URLs such as s3://bucket/path, not to the directory {target!r}")
+    if not Path(target).is_dir():
+        raise CheckpointNotFoundError(f"{redact_url(target)}: no such checkpoint directory")
+    return ReadOnlyLocalStorage(target)  # refuses any write: load() changes nothing
+
+
+def _listing(steps: Iterable[int]) -> str:
+    ordered = sorted(steps)
+    return ", ".join(map(str, ordered[-10:])) + (f" and {len(ordered) - 10} older" if len(ordered) > 10 else "")

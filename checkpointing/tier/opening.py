@@ -1,0 +1,77 @@
+"""The tiers a manager works on, opened: its local tier (for writing, or read-only) and the remote tier (I/O).
+
+`open_local_tier` and `open_remote_tier` turn the options into storages (CheckpointConfigError when
+they cannot be used). With read_only=True the local tier is a `ReadOnlyLocalStorage`: is a LocalStorage that never creates its root and refuses every write
+(open_stream, put, makedirs, delete, remove_dir) with CheckpointConfigError. A read-only manager
+never calls them (no TIER file, no tidying, no writer lock, no pins, no metrics file); this class
+makes sure of it, so a forgotten write path fails loudly instead of changing the directory.
+
+The TIER id of such a tier is the one in its TIER file; a directory without one (never opened by a
+writing manager, or a copy of a remote tier) gets none (`tierfile.ensure_tier_id` answers "" and
+creates nothing) and is read like the remote tier: as holding every primary copy (the manager
+reads it as its remote source; `checkpointing export`/`verify` treat a tier without an id the same).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NoReturn
+
+from checkpointing.errors import CheckpointConfigError
+from checkpointing.options import ManagerOptions
+from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
+
+
+class ReadOnlyLocalStorage(LocalStorage):
+    """A directory read through LocalStorage (no O_DIRECT: reads only), every write refused."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        super().__init__(root, direct=False, fsync=False, create=False)
+
+    def _refused(self, what: str, path: str) -> CheckpointConfigError:
+        return CheckpointConfigError(
+            f"{self.url} was opened read_only=True: refusing to {what} {path or '.'!r}; open it without read_only "
+            "(one writing manager per directory) to change it"
+        )
+
+    def open_stream(self, path: str) -> NoReturn:
+        raise self._refused("write", path)
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> NoReturn:
+        raise self._refused("write", path)
+
+    def makedirs(self, path: str) -> NoReturn:
+        raise self._refused("create", path)
+
+    def delete(self, path: str) -> NoReturn:
+        raise self._refused("delete", path)
+
+    def remove_dir(self, path: str) -> NoReturn:
+        raise self._refused("delete", path)
+
+
+def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bool, fsync: bool, remote: bool) -> LocalStorage:
+    """The manager's local tier at `local_dir`; CheckpointConfigError when it cannot be used. Read-only:
+    the directory must exist, unless a remote tier (`remote`) can serve every step."""
+    if not read_only:
+        try:
+            return LocalStorage(local_dir, direct=direct, fsync=fsync)
+        except OSError as exc:
+            raise CheckpointConfigError(f"cannot use {local_dir!s} as the checkpoint directory: {exc}") from exc
+    storage = ReadOnlyLocalStorage(local_dir)
+    if not remote and not storage.root.is_dir():
+        raise CheckpointConfigError(
+            f"{storage.root} is not a directory: nothing to read (a manager opened read_only=True never creates it); "
+            "check the path, or pass remote=URL to read a remote tier"
+        )
+    return storage
+
+
+def open_remote_tier(options: ManagerOptions) -> FsspecStorage | None:
+    """The remote tier's storage, or None. Credentials stay inside it: never in messages, logs or files."""
+    if options.remote is None:
+        return None
+    opened = open_storage(options.remote, options.storage_options, max_concurrency=options.upload_concurrency,
+                          part_bytes=options.upload_part_bytes, max_bytes_per_s=options.upload_bytes_per_s)
+    assert isinstance(opened, FsspecStorage)
+    return opened
