@@ -316,7 +316,7 @@ def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, 
     """Check `state` against the manifest; raise CheckpointMismatchError listing every problem."""
     if not isinstance(state, MutableMapping):
         raise TypeError(f"restore() needs the dict of objects to restore into, got {type(state).__name__}")
-    union = merge_trees([manifest.tree_of(r) for r in range(manifest.world_size)])
+    union = merge_trees([manifest.trees[i] for i in sorted(set(manifest.rank_trees))])  # each distinct tree once
     select = select if isinstance(select, Selection) else Selection(strict=bool(select))
     planner = _Planner(manifest, codecs, select, world_size, relaid=world_size != manifest.world_size)
     values = planner.mapping(state, union if planner.relaid else overlay(manifest.tree_of(rank), union), (), top=True)
