@@ -30,9 +30,23 @@ from checkpointing.errors import CheckpointCorruptError, CheckpointError
 INTERNAL = 3  # the exit code of a bug in this library (not of the checkpoint)
 
 
+DISTRIBUTION = "tiered-checkpointing"  # what pip installs; the import name is checkpointing
+
+
+def _version() -> str:
+    """The installed distribution's version (a source tree that was never installed says so)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{version(DISTRIBUTION)} ({DISTRIBUTION})"
+    except PackageNotFoundError:
+        return f"(not installed: pip install {DISTRIBUTION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; each subcommand sets `func(args, console) -> exit code`."""
     parser = argparse.ArgumentParser(prog="checkpointing", description="Inspect, verify and tidy checkpoints on any tier.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     target = "checkpoint directory, or a tier URL (s3://bucket/prefix, file:///path, ...)"
 

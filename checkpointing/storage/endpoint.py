@@ -134,8 +134,13 @@ def open_endpoint(url: str, protocol: str, shown: str, storage_options: Mapping[
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ValueError, ImportError) as exc:
+        if protocol in S3_PROTOCOLS:
+            raise CheckpointConfigError(
+                f"{shown}: the remote tier on {protocol}:// needs s3fs, which is not installed: "
+                "pip install 'tiered-checkpointing[s3]'"
+            ) from None
         raise CheckpointConfigError(
-            f"no filesystem for {protocol}:// ({exc}); install its fsspec package (s3fs for s3://)"
+            f"no filesystem for {protocol}:// ({exc}); install its fsspec package"
         ) from None
     options = _default_options(protocol, max_concurrency, storage_options or {})
     options.update({k: v for k, v in cls._get_kwargs_from_urls(url).items() if k not in options})
