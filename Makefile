@@ -11,7 +11,11 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an open range would otherwise pull a newer CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
+	# the framework extras come after torch; pip must keep the torch build installed above
+	$(PY) -m pip install -q -e '.[dev,lightning,transformers,torchtitan]'
+	$(PY) -c "import sys, torch; want = '$(TORCH_SPEC)'.partition('==')[2]; \
+	    sys.exit(f'pip replaced torch {want} by {torch.__version__}: install the extras after torch') \
+	    if want and not torch.__version__.startswith(want) else None"
 	touch $@
 
 env: $(VENV)/.ready

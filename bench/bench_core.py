@@ -418,19 +418,31 @@ class DcpAsync(Saver):
 class Ours(Saver):
     restorable = True
 
-    def __init__(self, tr, root, snapshot: str):
+    FORMS = {"objects": "model and optimizer objects", "state_dict": "model.state_dict() + optimizer.state_dict()",
+             "dcp": "DCP get_state_dict(model, optim) output"}
+
+    def __init__(self, tr, root, snapshot: str, form: str = "objects"):
         super().__init__(tr, root)
-        self.snapshot = snapshot
-        self.name = f"ours CheckpointManager snapshot={snapshot}"
+        self.snapshot, self.form = snapshot, form
+        self.name = f"ours CheckpointManager snapshot={snapshot}" + ("" if form == "objects" else f", {self.FORMS[form]}")
         self.mgr = None
 
     def setup(self):
         from checkpointing import CheckpointManager
         self.mgr = CheckpointManager(self.root, keep_local=2, snapshot=self.snapshot)
 
+    def _state(self, step):
+        if self.form == "state_dict":
+            return {"model": self.tr.model.state_dict(), "optim": self.tr.opt.state_dict(), "step": step}
+        if self.form == "dcp":
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            msd, osd = get_state_dict(self.tr.model, self.tr.opt)
+            return {"model": msd, "optim": osd, "step": step}
+        return self.tr.state(step)
+
     def save(self, step):
         t0 = now()
-        self.mgr.save(step, self.tr.state(step))
+        self.mgr.save(step, self._state(step))
         rec = {"step": step, "call_s": now() - t0}
         self.recs.append(rec)
         return rec
@@ -446,7 +458,7 @@ class Ours(Saver):
             rec.update(wait_prev_s=s.wait_prev_s, stall_s=s.stall_s, guard_wait_s=s.guard_wait_s,
                        durable_s=s.total_s, snapshot_s=s.snapshot_s, write_s=s.write_s, commit_s=s.commit_s,
                        bytes_written=s.bytes_written, bytes_reused=s.bytes_reused,
-                       bytes_total=s.bytes_total, ok=s.ok)
+                       bytes_total=s.bytes_total, bytes_deferred=s.bytes_deferred, ok=s.ok)
 
     def extra(self):
         return {"staging_bytes": self.mgr.staging_bytes if self.mgr else None}
@@ -637,6 +649,9 @@ def make_configs(tr, out, P, have_ours):
         tr, os.path.join(out, "dcp_p_shma"), "process", dict(use_shared_memory=True, use_async_staging=True)))
     if have_ours:
         add("ours_eager", lambda: Ours(tr, os.path.join(out, "ours_eager"), "eager"))
+        # the same state passed as state dicts (what frameworks pass): the same deferred copy
+        add("ours_state_dict", lambda: Ours(tr, os.path.join(out, "ours_sd"), "async", "state_dict"))
+        add("ours_dcp_state_dict", lambda: Ours(tr, os.path.join(out, "ours_dcp_sd"), "async", "dcp"))
     add("dcp_sync", lambda: DcpSync(tr, os.path.join(out, "dcp_sync")))
     if P.only:
         keep = set(P.only.split(","))

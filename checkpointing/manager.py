@@ -58,6 +58,7 @@ from checkpointing.save.issue import SaveIssuer
 from checkpointing.save.planning import PackPlanner
 from checkpointing.save.records import SaveRecords
 from checkpointing.save.staging import StagingPool
+from checkpointing.save.stepped import SteppedOptimizers
 from checkpointing.save.uploader import PendingUploads, Uploader, start_uploader
 from checkpointing.save.deletion import StepDeleter
 from checkpointing.save.worker import AfterUpload, LocalRetention, SaveWorker
@@ -140,6 +141,7 @@ class CheckpointManager:
         """The objects that do the work, wired together (see the module docstring)."""
         options, coord = self.options, self._coord
         self._pool = StagingPool()
+        self._stepped = SteppedOptimizers()  # what the guard watches: state_dict() tensors defer like objects
         schedule = None if options.interval is None else SaveSchedule(options.interval, options.mtbf_s, follow=self.world_size == 1)
         self._acct = SaveAccounting(self.directory / naming.METRICS_NAME, on_metrics=options.on_metrics, schedule=schedule)
         self._inflight = InFlight(stall=self._acct.stall)
@@ -157,7 +159,7 @@ class CheckpointManager:
                                   reverify_every=options.reverify_every, reverify_bytes_per_s=options.reverify_bytes_per_s)
         planner = PackPlanner(coord, group, chunk_bytes=options.chunk_bytes, budget=options.staging_budget_bytes)
         self._saves = SaveIssuer(options, self.storage, planner=planner, inflight=self._inflight, worker=self._worker,
-                                 uploader=self._uploader, acct=self._acct, world_size=self.world_size)
+                                 uploader=self._uploader, acct=self._acct, world_size=self.world_size, stepped=self._stepped)
         self._loop = TrainingLoop(self._acct, self._saves, rank=self.rank, world_size=self.world_size, new_store=coord.new_store_client)
         self._deleter = StepDeleter(self.storage, self.remote_storage, coord, inflight=self._inflight, worker=self._worker, uploader=self._uploader)
 
@@ -363,6 +365,7 @@ class CheckpointManager:
 
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._inflight.guard()
+        self._stepped.saw(optimizer)
         self._loop.optimizer_step(optimizer)
 
 

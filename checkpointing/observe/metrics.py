@@ -39,6 +39,9 @@ class SaveStats:
         this rank's upload found there already (earlier steps' files, or a resumed upload's).
         bytes_unwritten: of the state, the bytes staging neither compared nor copied because the
         kernel saw no write to their pages since the previous save (change_detection="auto").
+        bytes_deferred: of the state, the bytes copied after save() returned, overlapping the next
+        forward/backward (parameters and optimizer state, passed as objects or as state_dict()s of
+        optimizers the guard has seen step); the rest was copied inside save().
     bytes_reverified, chunks_reverified: borrowed chunks read back and digested on the ckpt-io
         thread between the previous save's commit and this save (reverify_every, docs/design.md
         "Incremental saves"); chunks_damaged: of those, the ones that did not match their digest
@@ -95,6 +98,7 @@ class SaveStats:
     bytes_reverified: int = 0
     chunks_reverified: int = 0
     chunks_damaged: int = 0
+    bytes_deferred: int = 0
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:

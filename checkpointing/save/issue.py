@@ -26,6 +26,7 @@ from checkpointing.options import ManagerOptions
 from checkpointing.save.inflight import InFlight
 from checkpointing.save.job import SaveInputs, SaveJob
 from checkpointing.save.planning import PackPlanner
+from checkpointing.save.stepped import SteppedOptimizers
 from checkpointing.save.uploader import Uploader
 from checkpointing.save.worker import SaveWorker
 from checkpointing.state.tree import FlatState, flatten_state
@@ -39,8 +40,10 @@ class SaveIssuer:
     """Issues the saves of one manager, in order; each gets the next `seq` (the same on every rank)."""
 
     def __init__(self, options: ManagerOptions, storage: LocalStorage, *, planner: PackPlanner, inflight: InFlight,
-                 worker: SaveWorker, uploader: Uploader | None, acct: SaveAccounting, world_size: int) -> None:
+                 worker: SaveWorker, uploader: Uploader | None, acct: SaveAccounting, world_size: int,
+                 stepped: SteppedOptimizers) -> None:
         self._options, self._storage = options, storage
+        self._stepped = stepped
         self._planner, self._inflight, self._worker, self._uploader = planner, inflight, worker, uploader
         self._acct, self._world_size = acct, world_size
         self._seq = 0
@@ -105,7 +108,12 @@ class SaveIssuer:
                 f"a new step number, or delete that step first with mgr.delete({step}) (the newest step: "
                 f"mgr.delete({step}, allow_latest=True); CLI: checkpointing rm DIR_OR_URL --step {step})"
             )
-        return flatten_state(state, codecs=self._options.codecs, eager=eager if eager is not None else self._options.snapshot == "eager")
+        eager = eager if eager is not None else self._options.snapshot == "eager"
+        watched = frozenset[int]()
+        if not eager:  # plain tensors of watched optimizers (state dicts) copy as late as the objects do
+            self._stepped.saw_in(state)
+            watched = self._stepped.storages()
+        return flatten_state(state, codecs=self._options.codecs, eager=eager, watched=watched)
 
     def _metrics(self, step: int, metrics: Mapping[str, Any] | None) -> dict[str, int | float]:
         """save()'s metrics, checked; a warning (once) when a KeepBest policy's metric is missing."""

@@ -74,11 +74,17 @@ def encode_float(x: float) -> dict[str, Any]:
     return {"float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
 
 
-def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), eager: bool = False) -> FlatState:
-    """Walk `state`; raise StateError naming the key of anything that cannot be checkpointed."""
+def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), eager: bool = False,
+                  watched: frozenset[int] = frozenset()) -> FlatState:
+    """Walk `state`; raise StateError naming the key of anything that cannot be checkpointed.
+
+    A tensor's copy may be deferred (Leaf.deferred) when it belongs to an optimizer object or to a
+    module's parameters, or when its storage address is in `watched` (storages that only a guarded
+    optimizer.step() mutates: a state_dict()'s tensors share them); never when `eager`.
+    """
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a dict of name -> value, got {type(state).__name__}")
-    walker = _Walker(codecs, eager)
+    walker = _Walker(codecs, eager, watched)
     tree = walker.visit_mapping(state, ())
     try:  # what save writes, restore must be able to read: the decoder's own checks, now
         check_tree(tree, len(walker.leaves), "state")
@@ -101,9 +107,10 @@ def _unsupported(t: torch.Tensor) -> str | None:
 
 
 class _Walker:
-    def __init__(self, codecs: tuple[Codec, ...], eager: bool) -> None:
+    def __init__(self, codecs: tuple[Codec, ...], eager: bool, watched: frozenset[int]) -> None:
         self.codecs = codecs
         self.eager = eager
+        self.watched = watched
         self.leaves: list[Leaf] = []
         self._alias: dict[tuple, int] = {}
 
@@ -203,6 +210,7 @@ class _Walker:
             return self._alias[alias_key]
         if isinstance(deferred, frozenset):
             deferred = storage_ptr in deferred
+        deferred = deferred or storage_ptr in self.watched
         self.leaves.append(Leaf(key, t, bool(deferred) and not self.eager, layout))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1

@@ -1,0 +1,61 @@
+"""Which tensor storages change only inside a guarded optimizer.step() (orchestration, training thread).
+
+The manager's optimizer step pre-hook (the guard) sees every ``torch.optim.Optimizer.step()`` in the
+process. The optimizers it has seen step, and those passed to save() as objects, are remembered
+here (weakly: a dropped optimizer is forgotten). Their parameters and their per-parameter state
+(Adam's moments, step counts) change only inside step(), which the guard holds until a save in
+flight has copied them. So a tensor that shares memory with one of them may be copied after
+save() returns, however it reached save(): the optimizer object, its ``state_dict()``, a module's
+``state_dict()``, DCP's ``get_state_dict`` output or a framework's checkpoint dict. Buffers
+(BatchNorm statistics) change in forward and stay eager; so does anything of an optimizer not seen
+yet (the first save before any step is eager for plain tensors).
+
+A tensor is matched by the address of its storage: live storages do not share addresses, and
+views of a parameter share its storage. Empty storages (address 0) never match.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch.optim import Optimizer
+
+from checkpointing.state.sharding import local_tensor
+
+
+class SteppedOptimizers:
+    """The optimizers the guard watches, and the storages of their parameters and state."""
+
+    def __init__(self) -> None:
+        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+
+    def saw(self, optimizer: Optimizer) -> None:
+        """The guard saw `optimizer` step (or it was passed to save())."""
+        if optimizer not in self._optimizers:
+            self._optimizers.add(optimizer)
+
+    def saw_in(self, state: Mapping[str, Any]) -> None:
+        """Remember the optimizers among the top-level values of a state passed to save()."""
+        for value in state.values():
+            if isinstance(value, Optimizer):
+                self.saw(value)
+
+    def storages(self) -> frozenset[int]:
+        """Addresses of the storages only optimizer.step() of a watched optimizer mutates."""
+        out: set[int] = set()
+        for opt in list(self._optimizers):
+            for group in opt.param_groups:
+                out.update(_addresses(group["params"]))
+            for per_param in opt.state.values():
+                if isinstance(per_param, Mapping):
+                    out.update(_addresses(v for v in per_param.values() if isinstance(v, torch.Tensor)))
+        out.discard(0)
+        return frozenset(out)
+
+
+def _addresses(tensors: Iterable[torch.Tensor]) -> Iterable[int]:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            yield local_tensor(t).untyped_storage().data_ptr()
