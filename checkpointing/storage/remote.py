@@ -25,6 +25,9 @@ FsspecStorage builds its own filesystem instance. Credentials never appear in `u
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import dataclasses
 import os
 import threading
@@ -190,7 +193,8 @@ class FsspecStorage:
 
     def get(self, path: str, *, max_bytes: int | None = None) -> bytes:
         ep = self.endpoint
-        kwargs: dict = {"max_concurrency": 1} if self.is_s3 else {}  # s3fs: one GET, no HEAD first
+        # newer s3fs splits a read into concurrent ranged GETs after a HEAD: ask for one plain GET
+        kwargs: dict = {"max_concurrency": 1} if self.is_s3 and _cat_takes_concurrency(type(ep.fs)) else {}
         if max_bytes is not None and (n := self.size(path)) > max_bytes:  # a HEAD first: never GET a huge object whole
             raise base.too_large(ep.where(path), n, max_bytes)
         data = bytes(ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), **kwargs)))
@@ -350,3 +354,12 @@ def _memory_create(fs: Any, full: str, body: bytes | bytearray) -> None:
         if fs.exists(full):
             raise FileExistsError(full)
         fs.pipe_file(full, body)
+
+
+@functools.lru_cache(maxsize=None)
+def _cat_takes_concurrency(fs_type: type) -> bool:
+    """Whether this s3fs's cat_file takes max_concurrency (newer s3fs; older ones always GET once, with no HEAD)."""
+    try:
+        return "max_concurrency" in inspect.signature(getattr(fs_type, "_cat_file")).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
