@@ -6,13 +6,14 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo demo-local test bench bench-tiered bench-incremental env clean
 
-$(VENV)/.ready: pyproject.toml
+$(VENV)/.ready: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an open range would otherwise pull a newer CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	# the framework extras come after torch; pip must keep the torch build installed above
-	$(PY) -m pip install -q -e '.[dev,lightning,transformers,torchtitan]'
+	# the framework extras come after torch; pip must keep the torch build installed above.
+	# constraints.txt pins the versions CI tested, so pip resolves at once instead of backtracking.
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,lightning,transformers,torchtitan]'
 	$(PY) -c "import sys, torch; want = '$(TORCH_SPEC)'.partition('==')[2]; \
 	    sys.exit(f'pip replaced torch {want} by {torch.__version__}: install the extras after torch') \
 	    if want and not torch.__version__.startswith(want) else None"
