@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import datetime
 import gc
-import json
 import logging
 import os
 import platform

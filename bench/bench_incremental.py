@@ -52,7 +52,6 @@ import ctypes
 import datetime
 import gc
 import glob
-import json
 import logging
 import mmap
 import os

@@ -16,9 +16,14 @@ What it does (about 20-40 s on 2 CPU cores):
    embedded moto server on 127.0.0.1 that the demo starts and stops). Then the node is "lost": the
    demo deletes its local directory, and a fresh manager restores the newest step from object
    storage alone, bit for bit.
+5. Every save carries the step's loss (save(..., metrics={"loss": ...})), and the directory it ends
+   with holds the run's metrics.jsonl: `checkpointing report DIR` explains what each save cost, and
+   (with --remote none: after the lost node the steps are on the remote tier only) `checkpointing
+   ls DIR` lists the steps with their loss. The demo prints the commands to try.
 
 Usage:  python examples/demo.py [--dir ./demo-run/ckpt] [--steps 60] [--every 5] [--kill-after 30]
-                                [--remote embedded | s3://bucket/prefix | none]
+                                [--remote embedded | s3://bucket/prefix | none] [--quick]
+--quick: a tiny model and 12 steps (a few seconds; what the tests run).
 A real bucket: --remote s3://bucket/prefix with credentials in the environment (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or AWS_PROFILE; AWS_ENDPOINT_URL for S3-compatible
 stores); use an empty prefix. See the README, "A durable copy in object storage".
@@ -54,6 +59,12 @@ KEEP_LOCAL = 3
 KEEP_REMOTE = 6
 
 
+def use_quick_sizes() -> None:
+    """--quick: a tiny model and batch (the demo's flow is the same; its numbers are not representative)."""
+    global D_IN, HIDDEN, BATCH
+    D_IN, HIDDEN, BATCH = 32, 64, 16
+
+
 def make_model() -> nn.Module:
     layers: list[nn.Module] = [nn.Linear(D_IN, HIDDEN), nn.GELU()]
     for _ in range(DEPTH):
@@ -67,8 +78,9 @@ class Teacher:
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(1234)
-        self.w1 = torch.randn(D_IN, 256, generator=g) / math.sqrt(D_IN)
-        self.w2 = torch.randn(256, D_IN, generator=g) / math.sqrt(256)
+        width = min(256, HIDDEN)
+        self.w1 = torch.randn(D_IN, width, generator=g) / math.sqrt(D_IN)
+        self.w2 = torch.randn(width, D_IN, generator=g) / math.sqrt(width)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(100_000 + step)
@@ -106,7 +118,7 @@ def train(mgr: CheckpointManager, state: dict, first: int, last: int, every: int
         t1 = time.perf_counter()
         ev = {"ev": "step", "step": step, "loss": loss.item(), "step_s": t1 - t0}
         if step % every == 0:
-            mgr.save(step, state)  # returns once the loop may go on; writing continues behind
+            mgr.save(step, state, metrics={"loss": loss.item()})  # returns once the loop may go on; writing continues behind
             ev["save_call_s"] = time.perf_counter() - t1
         emit(ev)
         if kill_after is not None and step == kill_after:
@@ -226,15 +238,20 @@ def ms(v: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="./demo-run/ckpt", help="checkpoint directory (wiped first)")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--every", type=int, default=5, help="save every N steps")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 60; 12 with --quick)")
+    ap.add_argument("--every", type=int, default=None, help="save every N steps (default 5; 3 with --quick)")
     ap.add_argument("--kill-after", type=int, default=None,
                     help="run 1 SIGKILLs itself right after this step's save (default: ~half way)")
     ap.add_argument("--remote", default="embedded",
                     help="remote tier: 'embedded' (moto S3 on 127.0.0.1, started and stopped here), an s3://bucket/prefix "
                          "URL (credentials from the environment), or 'none'")
+    ap.add_argument("--quick", action="store_true", help="a tiny model and 12 steps: the whole flow in a few seconds")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        use_quick_sizes()
+    args.steps = args.steps or (12 if args.quick else 60)
+    args.every = args.every or (3 if args.quick else 5)
     if args.kill_after is None:
         args.kill_after = max(args.every, (args.steps // 2) // args.every * args.every)
     if args.child:
@@ -268,7 +285,7 @@ def run_demo(args: argparse.Namespace, con, ckpt: Path, t_start: float, remote_u
     con.print(f"\n[bold]run 1[/]: child process, will SIGKILL itself right after save({args.kill_after}) returns")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dir", str(ckpt),
            "--steps", str(args.steps), "--every", str(args.every),
-           "--kill-after", str(args.kill_after)]
+           "--kill-after", str(args.kill_after)] + (["--quick"] if args.quick else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     run1: dict[int, dict] = {}
     assert proc.stdout is not None
@@ -399,16 +416,24 @@ def run_demo(args: argparse.Namespace, con, ckpt: Path, t_start: float, remote_u
     if remote_url:
         lost_node(con, ckpt, args, state)
     con.print(f"wall time                {time.perf_counter() - t_start:.1f} s")
-    hint = f"{Path(sys.executable).name} -m checkpointing ls {ckpt}   |   ... verify {ckpt}"
+    from rich.markup import escape
+
+    cli = "checkpointing" if shutil.which("checkpointing") else f"{Path(sys.executable).name} -m checkpointing"
+    tries = [(f"report {ckpt}", "what each save cost: stall, total, bytes, overhead")]
+    if any(committed for _, committed in disk_listing(ckpt)):  # after a lost node, the steps are on the remote tier only
+        tries += [(f"ls {ckpt}", "the steps kept, with their loss"), (f"verify {ckpt}", "re-read every chunk and check its digest")]
     if remote_url and args.remote != "embedded":
-        hint += f"   |   ... ls {ckpt} --remote {remote_url}   |   ... verify {remote_url}"
-    con.print(f"\n[dim]inspect it: {hint}[/]")
+        tries += [(f"ls {ckpt} --remote {remote_url}", "where each step is durable"), (f"verify {remote_url}", "the remote copy")]
+    con.print("\ntry it:")
+    for command, what in tries:
+        con.print(f"  {escape(cli)} {escape(command)}   [dim]# {what}[/]", soft_wrap=True)
 
 
 def lost_node(con, ckpt: Path, args: argparse.Namespace, trained: dict) -> None:
     """The node dies with its disk: restore on a 'new machine' (an empty local directory) from S3 alone."""
     con.print()
     con.rule("[bold]lost node")
+    history = (ckpt / "metrics.jsonl").read_bytes() if (ckpt / "metrics.jsonl").is_file() else b""
     shutil.rmtree(ckpt)
     con.print(f"deleted the local tier {ckpt} (the node and its NVMe are gone)")
     state = build_state(args.steps)
@@ -425,6 +450,10 @@ def lost_node(con, ckpt: Path, args: argparse.Namespace, trained: dict) -> None:
               f"{'[green]identical[/]' if opt_same else '[red]DIFFERENT[/]'}")
     if not (same and opt_same):
         sys.exit("the state restored from the remote tier differs")
+    if history:  # the save history is a log, not state: a job ships its logs off the node; the demo kept a copy
+        newer = (ckpt / "metrics.jsonl").read_bytes() if (ckpt / "metrics.jsonl").is_file() else b""
+        (ckpt / "metrics.jsonl").write_bytes(history + newer)
+        con.print(f"  {ckpt / 'metrics.jsonl'}: the run's save history (a log, kept off the node) put back for the report")
 
 
 if __name__ == "__main__":

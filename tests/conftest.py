@@ -17,12 +17,12 @@ def one_torch_thread():
 
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
-    """Call the `checkpointing` CLI in-process: run_cli("ls", path) -> (exit code, stdout + stderr)."""
+    """Call the `checkpointing` CLI in-process: run_cli("ls", path) -> (exit code, stdout + stderr), printed
+    `columns` wide (250 unless given: most tests check content, tests/test_cli_width.py how it fits)."""
     from checkpointing.cli.app import main
 
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def call(*argv: str) -> tuple[int, str]:
+    def call(*argv: str, columns: int = 250) -> tuple[int, str]:
+        monkeypatch.setenv("COLUMNS", str(columns))
         code = main(list(argv))
         out = capsys.readouterr()
         return code, out.out + out.err

@@ -44,6 +44,34 @@ def render(renderable) -> str:
     return console.export_text()
 
 
+def table_columns(text: str, wrapped: str | None = None, joiner: str = " ") -> dict[str, list[str]]:
+    """The first rich table in `text` as {header: its cells, top to bottom}: a header's lines (name, then
+    unit) joined by a space; a line where only the `wrapped` column has text continues the row above
+    (its text joined with `joiner`)."""
+    lines = [line.strip() for line in text.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("┏"))
+    heads: list[list[str]] = []
+    rows: list[list[str]] = []
+    for line in lines[start + 1:]:
+        if line.startswith("┃"):
+            heads.append([c.strip() for c in line.strip("┃").split("┃")])
+        elif line.startswith("│"):
+            rows.append([c.strip() for c in line.strip("│").split("│")])
+        elif line.startswith("└"):
+            break
+    headers = [" ".join(filter(None, col)) for col in zip(*heads)]
+    if wrapped is not None:
+        at = headers.index(wrapped)
+        joined: list[list[str]] = []
+        for cells in rows:
+            if joined and not any(c for i, c in enumerate(cells) if i != at):
+                joined[-1][at] += joiner + cells[at]
+            else:
+                joined.append(cells)
+        rows = joined
+    return {h: [r[i] for r in rows] for i, h in enumerate(headers)}
+
+
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
@@ -52,33 +80,42 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_saves_table_shows_phases_throughput_bytes_and_result(records):
-    text = render(report.saves_table(records))
-    for header in ("step", "wait prev", "stall", "snapshot", "write", "commit", "total", "write MB/s", "written", "reused", "result"):
-        assert header in text
-    for value in ("100.0 ms", "400.0 ms", "150.0 ms", "1.50 s", "50.0 ms", "1.70 s", "530.0", "800.0 MB", "200.0 MB"):
-        assert value in text
-    assert text.count(" ok ") == 4
-    assert "error OSError: disk full" in text
+    text = render(report.saves_table(records, wide=True))
+    cols = table_columns(text)  # --wide: every recorded field; a unit per column, in its header
+    assert list(cols) == ["step", "tier", "wait prev ms", "stall s", "snapshot ms", "write s", "commit ms", "total s",
+                          "write MB/s", "written MB", "reused MB", "result"]
+    assert cols["step"] == ["0", "1", "99", "2", "3"]
+    assert cols["stall s"] == ["0.10", "0.20", "9.00", "0.30", "0.40"]  # the failed save's 9 s puts the column in seconds
+    assert set(cols["snapshot ms"]) == {"150.0"} and set(cols["write s"]) == {"1.50"} and set(cols["commit ms"]) == {"50.0"}
+    assert set(cols["total s"]) == {"1.70"} and set(cols["wait prev ms"]) == {"0"}
+    assert cols["write MB/s"] == ["530.0", "530.0", "0", "530.0", "530.0"]
+    assert cols["written MB"] == ["800.0", "800.0", "0", "800.0", "800.0"] and cols["reused MB"] == ["200.0", "200.0", "0", "200.0", "200.0"]
+    assert cols["result"] == ["ok", "ok", "error OSError: disk full", "ok", "ok"]
     bracketed = dict(records[2], error="ValueError: bad [red]tag[/red]")
     assert "bad [red]tag[/red]" in render(report.saves_table([bracketed]))  # printed, not styled
-    assert "tier" in text and text.count("local") == 5  # SaveStats always records its tier
+    assert cols["tier"] == ["local"] * 5  # SaveStats always records its tier
     for absent in ("upload", "slowdown", "overhead"):  # columns only for fields some record has
         assert absent not in text
+    default = render(report.saves_table(records))  # the default view: what a user needs first; --wide names the rest
+    assert list(table_columns(default)) == ["step", "stall s", "total s", "written MB", "result"]
+    assert "--wide adds: tier, wait prev ms, snapshot ms, write s, commit ms, write MB/s, reused MB" in default
 
 
 def test_optional_fields_get_columns():
     rec = stats(7, 0.2).as_dict() | {"upload_s": 3.0, "upload_bytes_per_s": 2.0e8, "slowdown_s": 0.45,
                                       "step_stall_s": 0.21, "overhead_pct": 12.5, "tier": "remote"}
-    text = render(report.saves_table([rec]))
-    for header, value in (("upload", "3.00 s"), ("upload MB/s", "200.0"), ("slowdown", "450.0 ms"),
-                          ("step stall", "210.0 ms"), ("overhead", "12.50%"), ("tier", "remote")):
-        assert header in text and value in text
+    cols = table_columns(render(report.saves_table([rec], wide=True)))
+    for header, value in (("upload s", "3.00"), ("upload MB/s", "200.0"), ("slowdown ms", "450.0"),
+                          ("step stall ms", "210.0"), ("overhead %", "12.50"), ("tier", "remote")):
+        assert cols[header] == [value], (header, cols)
+    default = table_columns(render(report.saves_table([rec])))  # a tier other than local, upload, slowdown, overhead: shown
+    assert list(default) == ["step", "tier", "stall ms", "slowdown ms", "upload s", "total s", "written MB", "overhead %", "result"]
 
 
 def test_a_rank_column_when_several_ranks_share_the_file():
     recs = [stats(5, 0.1 + 0.1 * r).as_dict() | {"rank": r, "world_size": 2} for r in range(2)]
-    text = render(report.saves_table(recs))
-    assert "rank" in text and "100.0 ms" in text and "200.0 ms" in text
+    cols = table_columns(render(report.saves_table(recs)))
+    assert cols["rank"] == ["0", "1"] and cols["stall ms"] == ["100.0", "200.0"]
     assert [row["rank"] for row in summary.to_json(recs)["saves"]] == [0, 1]
     assert "rank" not in render(report.saves_table([stats(5, 0.1).as_dict()]))
 
@@ -86,8 +123,9 @@ def test_a_rank_column_when_several_ranks_share_the_file():
 def test_unknown_missing_and_malformed_fields_are_tolerated():
     recs = [{"step": 1, "stall_s": "fast", "from_the_future": [1, 2], "bytes_total": float("nan")}, {"step": 2},
             {"stall_s": 0.3, "ok": "yes?", "tier": ["x"], "error": None}]
-    text = render(report.saves_table(recs))
-    assert "300.0 ms" in text and "from_the_future" not in text
+    text = render(report.saves_table(recs, wide=True))
+    assert table_columns(text) == {"step": ["1", "2", ""], "stall ms": ["", "", "300.0"], "result": ["ok", "ok", "ok"]}
+    assert "from_the_future" not in text
     s = summary.summarize(recs)
     assert s.saves == 3 and s.ok == 3 and s.stall_s.p50 == pytest.approx(0.3)
     rows = summary.to_json(recs)["saves"]
@@ -128,6 +166,9 @@ def test_summary_counts_good_saves_and_advises_from_the_median_cost(records):
     for value in ("5 saves, 4 ok, 1 failed", "750.0 ms", "360.00 s", f"{s.advice.daly_s:.2f} s", "24.00 h",
                   f"{s.advice.every_steps} steps", "3.2 GB", "530.0"):
         assert value in text
+    spreads = table_columns(text)  # a unit per row, in its label
+    assert spreads["per save"] == ["stall ms", "slowdown ms", "cost ms (stall + slowdown)", "total s (to committed)"]
+    assert spreads["p50"] == ["250.0", "500.0", "750.0", "1.70"] and spreads["max"][0] == "400.0"
 
 
 def test_cost_uses_step_stall_without_the_wait_for_the_previous_save():
@@ -260,6 +301,6 @@ def test_step_accounting_fields_flow_into_the_report():
     clock.save_durable(4, t)
     [cost] = clock.pop_results()
     rec = stats(4, 0.2).as_dict() | cost.as_metrics()
-    text = render(report.saves_table([rec]))
-    assert "step stall" in text and "slowdown" in text and "300.0 ms" in text and "overhead" in text
+    cols = table_columns(render(report.saves_table([rec], wide=True)))
+    assert cols["step stall ms"] == ["200.0"] and cols["slowdown ms"] == ["300.0"] and "overhead %" in cols
     assert summary.summarize([rec]).cost_s.p50 == pytest.approx(0.5)

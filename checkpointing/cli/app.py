@@ -1,5 +1,5 @@
-"""`checkpointing ls|inspect|verify|gc|rm|export|report TARGET` (also `python -m checkpointing`): the arguments,
-and which command runs (layer: cli).
+"""`checkpointing ls|inspect|verify|gc|rm|export|report TARGET` and `checkpointing import SRC TARGET`
+(also `python -m checkpointing`): the arguments, and which command runs (layer: cli).
 
 TARGET is a checkpoint directory or any tier URL (s3://bucket/prefix, file:///path, memory://...).
 Credentials for a URL come from `--storage-option key=value` (repeatable; dotted keys nest, e.g.
@@ -9,8 +9,9 @@ client_kwargs.region_name=us-east-1) or from the environment the cloud SDK reads
 Exit codes: 0 fine, 1 damage found (verify; any command that meets a damaged or hostile checkpoint),
 2 bad usage, an unreachable tier, or nothing to show, 3 a bug of this library (a one-line message;
 CHECKPOINTING_DEBUG=1 lets the traceback out).
-The commands are commands.py (on a tier) and report.py (from metrics.jsonl); `main` is the one
-place where a failure becomes an error line and an exit code (fmt.fail).
+The commands are commands.py (on a tier), convert.py (export and import) and report.py (from
+metrics.jsonl); `main` is the one place where a failure becomes an error line and an exit code
+(fmt.fail).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.errors import MarkupError
 
-from checkpointing.cli import commands, report
+from checkpointing.cli import commands, convert, report
 from checkpointing.cli.fmt import USAGE, CommandFailed, fail
 from checkpointing.errors import CheckpointCorruptError, CheckpointError
 
@@ -61,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = tier_parser("ls", "list steps with size and state")
     p.add_argument("--remote", metavar="URL", default=None, help="also list this remote tier: a column says where each step is durable")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--wide", action="store_true", help="every column (unique and shared bytes, tensors), however wide")
     p.set_defaults(func=commands.ls)
     p = tier_parser("inspect", "show a step's tensors and values")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
     p.add_argument("--json", action="store_true")
     p.add_argument("--max-values", type=int, default=50)
+    p.add_argument("--wide", action="store_true", help="every column (shards, files), keys unwrapped, however wide")
     p.set_defaults(func=commands.inspect)
     p = tier_parser("verify", "check every digest; exit 1 on damage")
     p.add_argument("--step", type=int, default=None, help="default: every committed step")
@@ -81,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, required=True, help="the step to delete")
     p.add_argument("--force", action="store_true", help="also delete the newest committed step")
     p.set_defaults(func=commands.rm)
-    p = tier_parser("export", "write a step's full (unsharded) tensors to one torch.save file")
-    p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
-    p.add_argument("--out", required=True, metavar="FILE", help="the file to write ({'step', 'world_size', 'tensors': {key: tensor}})")
+    p = tier_parser("export", "write a step's full tensors: one torch.save file, or safetensors for Hugging Face")
+    convert.export_arguments(p)
     p.set_defaults(func=commands.export)
+    p = sub.add_parser("import", help="commit a DCP, torch.save, safetensors or Hugging Face checkpoint as one step")
+    convert.import_arguments(p)
+    p.set_defaults(func=convert.run_import)
     p = sub.add_parser("report", help="stall-time table (and --plot) from a directory's metrics.jsonl")
     report.add_arguments(p)
     p.set_defaults(func=report.run)

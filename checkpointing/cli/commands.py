@@ -2,7 +2,9 @@
 
 Each takes the parsed arguments and the console to print on, and returns the exit code (0 fine, 1
 damage found); a command that cannot go on raises fmt.CommandFailed. On a terminal, verify, gc and
-export show a progress bar (progress.py); piped output is the plain lines only.
+export show a progress bar (progress.py); piped output is the plain lines only. ls and inspect lay
+their tables out with tables.py: the columns a user needs first, fitted to the terminal, each unit
+in its header; --wide shows every column; --json output is what it always was.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.text import Text
 
-from checkpointing.cli import fmt
+from checkpointing.cli import convert, fmt, tables
 from checkpointing.cli.progress import Bar, each
 from checkpointing.cli.targets import committed_step, open_target
 from checkpointing.errors import CheckpointError
@@ -24,17 +26,16 @@ from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.format.step_sizes import step_usage
 from checkpointing.plan.retention import tier_states
-from checkpointing.restore.export import export_step
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog, collect, pins
 from checkpointing.tier import lock as writer_lock
 from checkpointing.tier.tierfile import read_tier_id
 from checkpointing.tier.verify import verify_step
 
-_LS_CAPTION = ("size: the state; new: written by that save; unique: referenced by no other listed step; "
-               "shared: also referenced by another (incremental saves); retired: deleted, but later steps "
-               "still use chunks in its files")
-_LS_SIZES = (("size", "bytes"), ("new", "new"), ("unique", "unique"), ("shared", "shared"))  # (column, row key)
+# (column, row key, drop: 0 only with --wide, what it means)
+_LS_SIZES = (("size", "bytes", 1, "size: the step's state"), ("new", "new", 3, "new: written by its save (incremental saves reuse the rest)"),
+             ("unique", "unique", 0, "unique: referenced by no other listed step"), ("shared", "shared", 0, "shared: also referenced by another"))
+_RETIRED = "retired: deleted, but later steps still use chunks in its files"
 
 
 def ls(args: argparse.Namespace, console: Console) -> int:
@@ -51,9 +52,10 @@ def ls(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    console.print(_steps_table(rows, title, with_tiers=bool(tiers)))
     if not rows:
-        console.print("no checkpoints")
+        console.print(f"no checkpoints in {escape(storage.url)}")
+        return 0
+    tables.show(console, _steps_view(rows, title, with_tiers=bool(tiers), width=console.width, wide=args.wide))
     return 0
 
 
@@ -102,20 +104,27 @@ def _committed_at(storage: Storage, step: int) -> str:
         return ""
 
 
-def _steps_table(rows: list[dict[str, Any]], title: str, *, with_tiers: bool) -> Table:
-    table = Table(title=escape(title), caption=_LS_CAPTION)
+def _steps_view(rows: list[dict[str, Any]], title: str, *, with_tiers: bool, width: int | None, wide: bool) -> tables.View:
+    """The table of `ls`: step, state, where, sizes (one unit for them all), commit time, metrics."""
+    unit = fmt.size_unit(r.get(k) for _, k, _, _ in _LS_SIZES for r in rows)
+    columns = [tables.Column("step"), tables.Column("state", justify="left")]
+    columns += [tables.Column("tier", justify="left")] if with_tiers else []
+    columns += [tables.Column(name, unit.name, default=drop > 0, drop=drop, note=note) for name, _, drop, note in _LS_SIZES]
+    columns += [tables.Column("tensors", default=False), tables.Column("committed", "UTC", justify="left", drop=2)]
     with_metrics = any("metrics" in r for r in rows)
-    columns = ["step", "state"] + (["tier"] if with_tiers else []) + [c for c, _ in _LS_SIZES] + ["tensors", "committed at (UTC)"]
-    columns += ["metrics"] if with_metrics else []
-    for col in columns:
-        table.add_column(col, justify="right" if col in ("step", "size", "new", "unique", "shared", "tensors") else "left")
+    columns += [tables.Column("metrics", justify="left", drop=1, flex=True)] if with_metrics else []
+    cells = []
     for r in rows:
         style = {"committed": "green", "damaged": "red", "remote only": "cyan"}.get(r["state"], "yellow")
-        cells = [str(r["step"]), f"[{style}]{r['state']}[/{style}]"] + ([escape(r["tier"])] if with_tiers else [])
-        sizes = [fmt.size(r[k]) if k in r else "" for _, k in _LS_SIZES]
-        shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.get("metrics", {}).items()))
-        table.add_row(*cells, *sizes, str(r.get("tensors", "")), r.get("committed_at", ""), *([escape(shown)] if with_metrics else []))
-    return table
+        row: list[tables.Cell] = [str(r["step"]), Text(r["state"], style=style)] + ([Text(r["tier"])] if with_tiers else [])
+        row += [unit(r.get(k)) for _, k, _, _ in _LS_SIZES]
+        at = r.get("committed_at", "")  # 2026-11-24T03:16:24+00:00: to the minute by default
+        row += [str(r.get("tensors", "")), Text(at if wide else at[:16].replace("T", " "))]
+        if with_metrics:
+            row.append(Text(" ".join(f"{k}={v:.4g}" for k, v in sorted(r.get("metrics", {}).items()))))
+        cells.append(row)
+    notes = [_RETIRED] if any(r["state"] == "retired" for r in rows) else []
+    return tables.fit(columns, cells, width=width, wide=wide, title=title, notes=notes)
 
 
 def inspect(args: argparse.Namespace, console: Console) -> int:
@@ -134,12 +143,8 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
             "tree": manifest.tree,
         }, indent=2))
         return _files_state(storage, manifest, Console(stderr=True))
-    table = Table(title=f"step {step}: {len(manifest.tensors)} tensors, {fmt.size(manifest.nbytes)} (format v{manifest.format_version})")
-    for col in ("key", "dtype", "shape", "size", "chunks"):
-        table.add_column(col, justify="right" if col in ("size", "chunks") else "left")
-    for t in manifest.tensors:
-        table.add_row(escape(t.key), escape(t.dtype), "x".join(map(str, t.shape)) or "scalar", fmt.size(t.nbytes), str(sum(len(s.chunks) for s in t.shards)))
-    console.print(table)
+    title = f"step {step}: {len(manifest.tensors)} tensors, {fmt.size(manifest.nbytes)} (format v{manifest.format_version})"
+    tables.show(console, _tensors_view(manifest, title, width=console.width, wide=args.wide))
     values = _values(manifest.tree, ())
     if values:
         console.print("[bold]values[/bold]")
@@ -148,6 +153,23 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
         if len(values) > args.max_values:
             console.print(f"  ... {len(values) - args.max_values} more (--max-values)", markup=False)
     return _files_state(storage, manifest, console)
+
+
+_INSPECT_COLUMNS = (
+    tables.Column("key", justify="left", flex=True, breaks="/.", min_width=16), tables.Column("dtype", justify="left"),
+    tables.Column("shape", justify="left"), tables.Column("size"), tables.Column("chunks"),
+    tables.Column("shards", default=False), tables.Column("files", default=False),
+)
+
+
+def _tensors_view(manifest: Manifest, title: str, *, width: int | None, wide: bool) -> tables.View:
+    """The tensor table of `inspect`: a long key wraps after "/" or "."; a size keeps its unit (they span B to GB)."""
+    rows: list[list[tables.Cell]] = []
+    for t in manifest.tensors:
+        chunks = [c for s in t.shards for c in s.chunks]
+        rows.append([Text(t.key), Text(t.dtype), "x".join(map(str, t.shape)) or "scalar", fmt.size(t.nbytes), str(len(chunks)),
+                     str(len(t.shards)), str(len({c.file for c in chunks}))])
+    return tables.fit(_INSPECT_COLUMNS, rows, width=width, wide=wide, title=title)
 
 
 def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
@@ -298,12 +320,5 @@ def rm(args: argparse.Namespace, console: Console) -> int:
 
 
 def export(args: argparse.Namespace, console: Console) -> int:
-    """Write a step's full (unsharded) tensors to one torch.save file."""
-    storage = open_target(args.dir, args.storage_option)
-    step = committed_step(storage, args.step)
-    total = len(catalog.load_manifest(storage, step).tensors)
-    with Bar(console, f"exporting step {step}", total) as bar:
-        nbytes = export_step(storage, step, args.out, progress=bar.advance)
-    console.print(f"step {step}: {total} tensors, {fmt.size(nbytes)} written to {args.out} (torch.load(..., weights_only=True) reads it)",
-                  markup=False, highlight=False)
-    return 0
+    """Write a step's full (unsharded) tensors: one torch.save file, or safetensors for Hugging Face (cli/convert.py)."""
+    return convert.run_export(args, console)

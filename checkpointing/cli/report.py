@@ -1,10 +1,12 @@
 """`checkpointing report DIR`: what saves cost, shown as tables and a plot (layer: cli).
 
 The records and their numbers (loading, percentiles, the Young/Daly advice, the JSON document) are
-checkpointing/observe/summary.py; this module shows them: a rich table of saves (:func:`saves_table`;
-an optional field gets a column only when some record has it), a summary table
-(:func:`summary_table`), a PNG (:func:`plot`, needs the ``checkpointing[plot]`` extra), and the
-command (:func:`add_arguments`, :func:`run`). Throughputs are shown as MB/s (1 MB = 1e6 B).
+checkpointing/observe/summary.py; this module shows them: a rich table of saves (:func:`saves_view`,
+:func:`saves_table`: the columns that matter, fitted to the terminal by cli/tables.py, every
+recorded one with ``--wide``; an optional field gets a column only when some record has it; each
+column's unit in its header), a summary table (:func:`summary_table`), a PNG (:func:`plot`, needs
+the ``checkpointing[plot]`` extra), and the command (:func:`add_arguments`, :func:`run`).
+Throughputs are shown as MB/s (1 MB = 1e6 B).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
-from rich.table import Table
+from rich.text import Text
 
-from checkpointing.cli import fmt
+from checkpointing.cli import fmt, tables
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.format.naming import METRICS_NAME
 from checkpointing.observe.summary import Record, Summary, load_records, number, recorded, succeeded, summarize, to_json
@@ -30,55 +32,79 @@ if TYPE_CHECKING:
 
     from checkpointing.observe.steptime import StepSample
 
-__all__ = ["add_arguments", "plot", "run", "saves_table", "summary_table"]
+__all__ = ["add_arguments", "plot", "run", "saves_table", "saves_view", "summary_table", "summary_view"]
 
 
-# (record key, header, formatter); a column is shown when some record has the key
-_COLUMNS: tuple[tuple[str, str, Callable[[float | None], str]], ...] = (
-    ("wait_prev_s", "wait prev", fmt.seconds), ("stall_s", "stall", fmt.seconds), ("step_stall_s", "step stall", fmt.seconds),
-    ("slowdown_s", "slowdown", fmt.seconds), ("snapshot_s", "snapshot", fmt.seconds), ("write_s", "write", fmt.seconds),
-    ("commit_s", "commit", fmt.seconds), ("upload_s", "upload", fmt.seconds), ("total_s", "total", fmt.seconds),
-    ("write_bytes_per_s", "write MB/s", fmt.mb_per_s), ("upload_bytes_per_s", "upload MB/s", fmt.mb_per_s),
-    ("bytes_written", "written", fmt.size), ("bytes_reused", "reused", fmt.size),
-    ("overhead_pct", "overhead", fmt.percent),
+# (record key, header, unit kind, drop): a column shows when some record has the key; drop None: only with
+# --wide, else the order in which the default view gives columns up to a narrow terminal (highest first)
+_COLUMNS: tuple[tuple[str, str, str, int | None], ...] = (
+    ("wait_prev_s", "wait prev", "s", None), ("stall_s", "stall", "s", 1), ("step_stall_s", "step stall", "s", None),
+    ("slowdown_s", "slowdown", "s", 4), ("snapshot_s", "snapshot", "s", None), ("write_s", "write", "s", None),
+    ("commit_s", "commit", "s", None), ("upload_s", "upload", "s", 2), ("total_s", "total", "s", 1),
+    ("write_bytes_per_s", "write", "MB/s", None), ("upload_bytes_per_s", "upload", "MB/s", None),
+    ("bytes_written", "written", "B", 2), ("bytes_reused", "reused", "B", None),
+    ("overhead_pct", "overhead", "%", 3),
 )
+_NOTES = {"stall_s": "stall: the loop blocked by the save", "slowdown_s": "slowdown: steps slowed while it ran",
+          "upload_s": "upload: local commit to durable on the remote tier", "total_s": "total: save() to committed locally",
+          "overhead_pct": "overhead: stall + slowdown in % of the training time since the previous save"}
+_PERCENTILES = ("p50", "p90", "p99", "max", "mean")
 
 
-def saves_table(records: Sequence[Record], title: str = "saves") -> Table:
-    """One row per save: step, phases, throughput per tier, bytes, overhead, ok/error."""
+def _unit(kind: str, values: list[float | None]) -> fmt.Unit:
+    """The column's unit: ms or s for times, B..TB for bytes, MB/s, %."""
+    if kind == "s":
+        return fmt.time_unit(values)
+    if kind == "B":
+        return fmt.size_unit(values)
+    return fmt.MB_PER_S if kind == "MB/s" else fmt.PERCENT
+
+
+def saves_view(records: Sequence[Record], title: str = "saves", *, wide: bool = False, width: int | None = None) -> tables.View:
+    """One row per save: step, the phases that matter (--wide: all), bytes, overhead, ok/error, fitted to `width`."""
     cols = [c for c in _COLUMNS if recorded(records, c[0])]
-    tiers = any(isinstance(r.get("tier"), str) for r in records)
+    tier_names = {r.get("tier") for r in records if isinstance(r.get("tier"), str)}
     ranks = any((number(r, "world_size") or 1) > 1 or (number(r, "rank") or 0) > 0 for r in records)
-    table = Table(title=title)
-    table.add_column("step", justify="right")
-    if ranks:  # ranks sharing a directory append to one file: one row per rank and save
-        table.add_column("rank", justify="right")
-    if tiers:
-        table.add_column("tier")
-    for _, header, _ in cols:
-        table.add_column(header, justify="right")
-    table.add_column("result")
+    columns = [tables.Column("step")]
+    columns += [tables.Column("rank")] if ranks else []  # ranks sharing a directory append to one file: one row per rank and save
+    if tier_names:  # where each save is durable: worth a default column once a save reached another tier
+        columns.append(tables.Column("tier", justify="left", default=tier_names != {"local"}, drop=5))
+    units = [_unit(kind, [number(r, key) for r in records]) for key, _, kind, _ in cols]
+    columns += [tables.Column(header, unit.name, default=drop is not None, drop=drop or 0, note=_NOTES.get(key, ""))
+                for (key, header, _, drop), unit in zip(cols, units)]
+    columns.append(tables.Column("result", justify="left", flex=True, breaks=" /", min_width=30))
+    rows = []
     for r in records:
-        row = [escape(str(r.get("step", "")))] + ([escape(str(r.get("rank", "")))] if ranks else [])
-        row += [escape(str(r.get("tier") or ""))] if tiers else []
-        row += [show(number(r, key)) for key, _, show in cols]
+        row: list[tables.Cell] = [escape(str(r.get("step", "")))] + ([escape(str(r.get("rank", "")))] if ranks else [])
+        row += [Text(str(r.get("tier") or ""))] if tier_names else []
+        row += [unit(number(r, key)) for (key, _, _, _), unit in zip(cols, units)]
         err = r.get("error")
-        row.append("[green]ok[/green]" if succeeded(r) else f"[red]error[/red] {escape(str(err))}" if err else "[red]error[/red]")
-        table.add_row(*row)
-    return table
+        row.append(Text("ok", style="green") if succeeded(r) else Text.assemble(("error", "red"), f" {err}" if err else ""))
+        rows.append(row)
+    return tables.fit(columns, rows, width=width, wide=wide, title=title)
 
 
-def summary_table(summary: Summary) -> Table:
-    """Percentiles of the per-save times, then totals and (with an MTBF) the advice."""
-    table = Table(title=f"summary: {summary.saves} saves, {summary.ok} ok, {summary.failed} failed")
-    for name in ("", "p50", "p90", "p99", "max", "mean"):
-        table.add_column(name, justify="left" if not name else "right")
-    rows = (("stall", summary.stall_s, fmt.seconds), ("step stall", summary.step_stall_s, fmt.seconds),
-            ("slowdown", summary.slowdown_s, fmt.seconds), ("cost (stall+slowdown)", summary.cost_s, fmt.seconds),
-            ("total (to durable)", summary.total_s, fmt.seconds), ("overhead", summary.overhead_pct, fmt.percent))
-    for label, spread, show in rows:
-        if spread is not None and (label != "cost (stall+slowdown)" or summary.slowdown_s is not None):
-            table.add_row(label, *(show(getattr(spread, k)) for k in ("p50", "p90", "p99", "max", "mean")))
+def saves_table(records: Sequence[Record], title: str = "saves", *, wide: bool = False, width: int | None = None) -> RenderableType:
+    """The saves of `saves_view`, as a renderable."""
+    return saves_view(records, title, wide=wide, width=width).renderable
+
+
+def summary_view(summary: Summary, *, width: int | None = None) -> tables.View:
+    """Percentiles of the per-save times (a unit per row), then totals and (with an MTBF) the advice."""
+    spreads = (("stall", "", summary.stall_s), ("step stall", "", summary.step_stall_s), ("slowdown", "", summary.slowdown_s),
+               ("cost", " (stall + slowdown)", summary.cost_s if summary.slowdown_s is not None else None),
+               ("total", " (to committed)", summary.total_s))
+    rows: list[list[tables.Cell]] = []
+    for label, suffix, spread in spreads:
+        if spread is not None:
+            values = [getattr(spread, k) for k in _PERCENTILES]
+            unit = fmt.time_unit(values)
+            rows.append([Text(f"{label} {unit.name}{suffix}")] + [unit(v) for v in values])
+    if summary.overhead_pct is not None:
+        rows.append([Text("overhead %")] + [fmt.PERCENT(getattr(summary.overhead_pct, k)) for k in _PERCENTILES])
+    columns = [tables.Column("per save", justify="left", flex=True, min_width=10)] + [tables.Column(k) for k in _PERCENTILES]
+    spread_view = tables.fit(columns, rows, width=width,
+                             title=f"summary: {summary.saves} saves, {summary.ok} ok, {summary.failed} failed")
     extra = [("mean write MB/s", fmt.mb_per_s(summary.write_bytes_per_s)), ("mean upload MB/s", fmt.mb_per_s(summary.upload_bytes_per_s)),
              ("bytes written", fmt.size(summary.bytes_written)), ("bytes reused", fmt.size(summary.bytes_reused)),
              ("median step time", fmt.seconds(summary.step_time_s)),
@@ -89,10 +115,16 @@ def summary_table(summary: Summary) -> Table:
                   ("Young interval sqrt(2CM)", fmt.seconds(a.young_s)), ("Daly interval (recommended)", fmt.seconds(a.daly_s)),
                   ("expected lost time at Daly", fmt.percent(a.lost_fraction * 100) if a.lost_fraction is not None else ""),
                   ("save every", f"{a.every_steps} steps" if a.every_steps is not None else "")]
-    for label, value in extra:
-        if value:
-            table.add_row(label, value, "", "", "", "")
-    return table
+    totals = [[Text(label), Text(value)] for label, value in extra if value]
+    if not totals:
+        return spread_view
+    totals_view = tables.fit([tables.Column("totals", justify="left", flex=True, min_width=10), tables.Column("")], totals, width=width)
+    return tables.View(Group(spread_view.renderable, totals_view.renderable), max(spread_view.width, totals_view.width), ())
+
+
+def summary_table(summary: Summary, *, width: int | None = None) -> RenderableType:
+    """The tables of `summary_view`, as a renderable."""
+    return summary_view(summary, width=width).renderable
 
 
 _COLORS = {"wait_prev_s": "#9e9e9e", "stall_s": "#d62728", "slowdown_s": "#ff9896", "snapshot_s": "#1f77b4",
@@ -214,13 +246,14 @@ def _draw_phase_bars(ax: Axes, records: Sequence[Record]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``checkpointing report``: ``DIR [--json] [--plot PNG] [--mtbf HOURS] [--last N]``."""
+    """Arguments of ``checkpointing report``: ``DIR [--json] [--plot PNG] [--mtbf HOURS] [--last N] [--wide]``."""
     parser.add_argument("dir", help="checkpoint directory holding metrics.jsonl (or the file itself)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (schema checkpointing.report/1)")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also draw a timeline and phase chart to this PNG")
     parser.add_argument("--mtbf", metavar="HOURS", type=float, default=None,
                         help="mean time between failures of the job, in hours: recommends a checkpoint interval")
     parser.add_argument("--last", metavar="N", type=int, default=None, help="only the last N saves")
+    parser.add_argument("--wide", action="store_true", help="every recorded column (each phase, throughputs, reused bytes), however wide")
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -242,8 +275,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         doc = to_json(records, mtbf_s, source=str(args.dir), plot_path=path)
         console.print(json.dumps(doc, indent=2), markup=False, highlight=False, soft_wrap=True)
         return 0
-    console.print(saves_table(records, title=escape(f"saves in {args.dir}")))
-    console.print(summary_table(summary))
+    tables.show(console, saves_view(records, f"saves in {args.dir}", wide=args.wide, width=console.width))
+    tables.show(console, summary_view(summary, width=console.width))
     if path:
         console.print(f"plot written to {path}", markup=False)
     return 0

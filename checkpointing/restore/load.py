@@ -41,7 +41,7 @@ def load(
     saved them; without it such values are refused by key (sharded and replicated tensors need no
     rank: they come back whole). codecs: the Codec objects values were saved with.
     """
-    storage = _open(path_or_url, storage_options)
+    storage = open_readonly(path_or_url, storage_options)
     committed = catalog.list_steps(storage).committed
     if not committed:
         raise CheckpointNotFoundError(f"{storage.url} holds no committed step")
@@ -71,7 +71,8 @@ def load(
     return state
 
 
-def _open(path_or_url: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Storage:
+def open_readonly(path_or_url: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Storage:
+    """A URL opened with `storage_options`; a directory opened read-only (it must exist; nothing is created)."""
     target = os.fspath(path_or_url)
     if "://" in target:
         return open_storage(target, storage_options)

@@ -1,0 +1,154 @@
+"""`checkpointing import`: DCP, torch.save, safetensors and Hugging Face checkpoints as one committed step (issue 19, item 2).
+
+Sources are written by the real libraries (torch.distributed.checkpoint.save, torch.save,
+safetensors, transformers' save_pretrained on a tiny GPT-2 built from a config, offline); the
+imported step is read back with restore() and load(), and the next save of a run that restored it
+must be incremental against it. Nothing mocked.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.nn as nn
+
+from s3_server import s3_bucket, s3_endpoint  # noqa: F401 - fixtures
+
+import checkpointing
+from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager
+from checkpointing.interop import export_safetensors, import_checkpoint
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 50))
+
+
+def _same_params(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def _gpt2(seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_dcp_checkpoint_imports_restores_bit_exact_and_the_next_save_is_incremental(tmp_path, run_cli):
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.arange(6).view(2, 3)).sum().backward()
+    opt.step()
+    dcp.save({"model": model.state_dict(), "epoch": 4, "cfg": {"lr": 0.5, "tags": ["a", "b"]}},
+             checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    code, text = run_cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck"), "--step", "100")
+    assert code == 0 and "(dcp) as step 100" in text, text
+    fresh = _model(1)
+    state = {"model": fresh, "epoch": 0, "cfg": {}}
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        assert mgr.steps() == [100]
+        assert mgr.restore(state) == 100
+        _same_params(model, fresh)
+        assert state["epoch"] == 4 and state["cfg"] == {"lr": 0.5, "tags": ["a", "b"]}
+        stats = mgr.save(101, {"model": fresh, "epoch": 5, "cfg": state["cfg"]}).wait()  # the fine-tuning run's first save
+    assert stats.bytes_reused == stats.bytes_total > 0 and stats.bytes_written < stats.bytes_total / 10
+
+
+def test_dcp_import_takes_only_the_selected_keys(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(0)
+    dcp.save({"model": model.state_dict(), "ema": model.state_dict(), "step": 3, "when": datetime.date(2026, 1, 2)},
+             checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    with pytest.raises(CheckpointConfigError, match="when.*exclude="):  # an object neither a tensor nor JSON-like
+        import_checkpoint(tmp_path / "dcp", tmp_path / "ck", 0)
+    result = import_checkpoint(tmp_path / "dcp", tmp_path / "ck", 0, exclude=["ema", "step", "when"])
+    assert result.source_kind == "dcp" and result.tensors == len(model.state_dict())
+    loaded = checkpointing.load(tmp_path / "ck")
+    assert sorted(loaded) == ["model"]
+    with pytest.raises(CheckpointConfigError, match="matches no key"):
+        import_checkpoint(tmp_path / "dcp", tmp_path / "ck2", 0, only="modle")
+
+
+def test_torch_save_file_imports_under_a_key_and_loads(tmp_path):
+    model = _model(0)
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    result = import_checkpoint(tmp_path / "weights.pt", tmp_path / "ck", 5, under="model", dtype="bf16")
+    assert result.source_kind == "torch" and result.step == 5
+    loaded = checkpointing.load(tmp_path / "ck")
+    assert sorted(loaded) == ["model"] and sorted(loaded["model"]) == sorted(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded["model"][k], v.to(torch.bfloat16)), k
+    torch.save({"blob": torch.ones(2), "obj": nn.Linear(2, 2)}, tmp_path / "pickled.pt")  # a module: not weights_only
+    with pytest.raises(CheckpointConfigError, match="weights_only=True"):
+        import_checkpoint(tmp_path / "pickled.pt", tmp_path / "ck", 6)
+    with pytest.raises(CheckpointError, match="already committed"):
+        import_checkpoint(tmp_path / "weights.pt", tmp_path / "ck", 5, under="model")
+
+
+def test_safetensors_export_round_trips_through_import_with_its_tied_weights(tmp_path, offline):
+    model = _gpt2(0)
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"model": model}).wait()
+    export_safetensors(tmp_path / "run", tmp_path / "hf", only="model")
+    result = import_checkpoint(tmp_path / "hf" / "model.safetensors", tmp_path / "ck", 1, under="model")
+    assert result.source_kind == "safetensors"
+    fresh = _gpt2(1)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        assert mgr.restore({"model": fresh}) == 1  # strict: lm_head.weight came back tied, from the file's metadata
+        assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+        _same_params(model, fresh)
+        stats = mgr.save(2, {"model": fresh}).wait()
+    assert stats.bytes_reused == stats.bytes_total
+
+
+def test_sharded_hugging_face_directory_imports_as_one_step(tmp_path, run_cli, offline):
+    model = _gpt2(0)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
+    code, text = run_cli("import", str(tmp_path / "hf"), str(tmp_path / "ck"), "--step", "0", "--under", "model",
+                         "--tie", "lm_head.weight=transformer.wte.weight")
+    assert code == 0 and "(hf) as step 0" in text, text
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        assert mgr.steps() == [0]
+        fresh = _gpt2(3)
+        assert mgr.restore({"model": fresh}) == 0
+    x = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, fresh(x).logits)
+    code, text = run_cli("import", str(tmp_path / "hf"), str(tmp_path / "ck2"), "--step", "0", "--tie", "lm_head.weight=nope")
+    assert code == 2 and "'nope' is not a name the source holds" in text
+
+
+def test_import_refuses_a_checkpoint_of_this_library_and_runs_one_process(tmp_path):
+    with CheckpointManager(tmp_path / "ours") as mgr:
+        mgr.save(1, {"x": torch.ones(2)}).wait()
+    with pytest.raises(CheckpointConfigError, match="no import needed"):
+        import_checkpoint(tmp_path / "ours", tmp_path / "ck", 1)
+    with pytest.raises(CheckpointError, match="no such file"):
+        import_checkpoint(tmp_path / "missing.pt", tmp_path / "ck", 1)
+
+
+def test_import_to_s3(tmp_path, s3_bucket):
+    url, options = s3_bucket
+    model = _model(0)
+    torch.save({"model": model.state_dict(), "step": 9}, tmp_path / "full.pt")
+    result = import_checkpoint(tmp_path / "full.pt", url, 9, storage_options=options)
+    assert result.dest == url
+    loaded = checkpointing.load(url, storage_options=options)
+    assert loaded["step"] == 9 and all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
