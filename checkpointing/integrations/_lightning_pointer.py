@@ -1,0 +1,118 @@
+"""Pointer files of LightningCheckpointIO (layer: integrations; no Lightning import here).
+
+A pointer file is what LightningCheckpointIO writes at each path Lightning names
+(`.../epoch=0-step=100.ckpt`, `last.ckpt`): a small JSON object naming a committed step of a
+CheckpointManager directory and the id of the save that made it:
+
+    {"lightning_checkpoint_io": 1, "directory": "/abs/ckpt", "step": 100, "save_id": "9f0c...",
+     "overrides": null | {"tree": <tree>, "tensors": [{"dtype": "float32", "shape": [], "data": <base64>}]}}
+
+`overrides` holds the entries of a second save at one global step that the step itself does not
+(see lightning.py; encoded by _lightning_values.encode_entries). Pointers are written atomically (a
+temporary file, fsync, rename, fsync of the directory) and start with their magic key, so a scan
+tells them from other files by their first bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+from typing import Any, Iterator
+
+from checkpointing.errors import CheckpointError
+
+MAGIC = "lightning_checkpoint_io"
+VERSION = 1
+MAX_POINTER_BYTES = 8 << 20  # a pointer with overrides is a few KiB; anything larger is not one of ours
+_HEAD = ('{"%s":' % MAGIC).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pointer:
+    """What a pointer file says: `step` of the manager directory `directory`, made by save `save_id`."""
+
+    directory: str
+    step: int
+    save_id: str
+    overrides: dict[str, Any] | None = None  # encode_entries() output, or None
+
+
+def new_save_id() -> str:
+    return secrets.token_hex(8)
+
+
+def write_pointer(path: str, pointer: Pointer) -> None:
+    """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
+            "overrides": pointer.overrides}
+    data = json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_pointer(path: str) -> Pointer | None:
+    """The pointer at `path`; None when the file is not a pointer (another file: no magic at its start).
+
+    A file that starts like a pointer but is not a valid one raises CheckpointError naming it.
+    FileNotFoundError when there is no file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(len(_HEAD))
+        if head != _HEAD:  # another file (a torch.save checkpoint, a log): not read further
+            return None
+        data = head + f.read(MAX_POINTER_BYTES + 1 - len(head))
+    if len(data) > MAX_POINTER_BYTES:
+        return None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+        if obj.get(MAGIC) != VERSION:
+            raise ValueError(f"version {obj.get(MAGIC)!r}; this library reads version {VERSION}")
+        directory, step, save_id, overrides = obj["directory"], obj["step"], obj["save_id"], obj["overrides"]
+        if not isinstance(directory, str) or not isinstance(save_id, str) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError("directory, step or save_id has the wrong type")
+        if overrides is not None and not (isinstance(overrides, dict) and isinstance(overrides.get("tree"), dict)
+                                          and isinstance(overrides.get("tensors"), list)):
+            raise ValueError("overrides must be null or {tree, tensors}")
+    except (UnicodeDecodeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is a damaged LightningCheckpointIO pointer file ({exc}): "
+                              "delete it, or pass the path of another checkpoint") from None
+    return Pointer(directory, step, save_id, overrides)
+
+
+def read_pointer_quietly(path: str) -> Pointer | None:
+    """read_pointer(), with None for a missing, unreadable or damaged file (scans, cleanups)."""
+    try:
+        return read_pointer(path)
+    except (OSError, CheckpointError):
+        return None
+
+
+def scan(folder: str) -> Iterator[tuple[str, Pointer]]:
+    """Every pointer file in `folder` (not recursive; symbolic links are followed): (path, pointer)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        pointer = read_pointer_quietly(entry.path)
+        if pointer is not None:
+            yield entry.path, pointer

@@ -1,0 +1,230 @@
+"""Values of LightningCheckpointIO that go through JSON, and the small helpers around them (layer: integrations).
+
+- Codecs for what Lightning puts into hyper-parameters and is not JSON-like: `argparse.Namespace`
+  (its attributes as a tree, which may use every other codec) and `pathlib` paths (a string).
+  LightningCheckpointIO adds them to every manager it opens and to every load.
+- An alias's overrides (lightning.py): a few small entries of a checkpoint encoded as a manifest's
+  tree (checkpointing/state/tree.py node kinds) plus the bytes of their small tensors, and back.
+- map_location as torch.load understands it, applied to a loaded (CPU) checkpoint.
+- Where the argparse.Namespace values of a refused checkpoint are (a codec cannot know its key).
+- Paths, tensor sizes, whether this process is the one Lightning saves from.
+
+No Lightning import here except lightning_utilities' apply_to_collection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import os
+import pathlib
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from checkpointing.errors import CheckpointConfigError, CheckpointError, ManifestError, StateError
+from checkpointing.format.decode import check_tree
+from checkpointing.format.dtypes import dtype_from_name, dtype_name
+from checkpointing.state.codecs import Codec
+from checkpointing.state.tree import flatten_state
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+
+def encode_entries(entries: Mapping[str, Any], codecs: tuple[Codec, ...]) -> dict[str, Any]:
+    """`entries` (small values: their tensors are copied into the JSON) as {"tree", "tensors"}."""
+    flat = flatten_state(entries, codecs=codecs, eager=True)
+    tensors = []
+    for leaf in flat.leaves:
+        t = leaf.tensor.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        tensors.append({"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": base64.b64encode(raw).decode("ascii")})
+    return {"tree": flat.tree, "tensors": tensors}
+
+
+def decode_entries(data: Mapping[str, Any], codecs: Sequence[Codec], where: str) -> dict[str, Any]:
+    """The entries encode_entries() encoded; CheckpointError naming `where` when the data are damaged."""
+    try:
+        tensors = [_tensor(t) for t in data["tensors"]]
+        check_tree(data["tree"], len(tensors), where)
+    except (ManifestError, KeyError, TypeError, ValueError, binascii.Error, RuntimeError) as exc:
+        raise CheckpointError(f"{where}: damaged overrides ({exc}): delete that pointer file") from None
+    return decode_tree(data["tree"], tensors, codecs, where)
+
+
+def _tensor(entry: Mapping[str, Any]) -> torch.Tensor:
+    dtype = dtype_from_name(entry["dtype"])
+    shape = [int(n) for n in entry["shape"]]
+    raw = base64.b64decode(entry["data"], validate=True)
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def decode_tree(node: Mapping[str, Any], tensors: Sequence[torch.Tensor], codecs: Sequence[Codec], where: str) -> Any:
+    """A value from a (validated) tree as flatten_state() builds it; tensors by their index."""
+    if "dict" in node:
+        return {k: decode_tree(v, tensors, codecs, where) for k, v in node["dict"]}
+    if "list" in node:
+        return [decode_tree(v, tensors, codecs, where) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(decode_tree(v, tensors, codecs, where) for v in node["tuple"])
+    if "value" in node:
+        return node["value"]
+    if "float" in node:
+        return float(node["float"])
+    if "bytes" in node:
+        return base64.b64decode(node["bytes"])
+    if "tensor" in node:
+        return tensors[node["tensor"]]
+    if "ndarray" in node:
+        return np.array(tensors[node["ndarray"]].numpy())
+    if "stateful" in node:  # as checkpointing.load(): an object saved through state_dict() comes back as that dict
+        return decode_tree(node["stateful"], tensors, codecs, where)
+    for codec in codecs:
+        if codec.name == node["codec"]:
+            return codec.decode(node["data"])
+    raise CheckpointError(f"{where}: a value was saved with codec {node['codec']!r}; pass that codec: LightningCheckpointIO(..., codecs=[...])")
+
+
+# ---------------------------------------------------------------------------------------------- codecs
+
+class NamespaceCodec:
+    """argparse.Namespace (`save_hyperparameters()` of an `args` parameter) as a tree of its attributes."""
+
+    name = "argparse.Namespace"
+    types: tuple[type, ...] = (argparse.Namespace,)
+
+    def __init__(self) -> None:
+        self.codecs: tuple[Codec, ...] = (self, PathCodec())  # for the attributes' values; with_codecs() sets every codec
+
+    def encode(self, obj: Any) -> Any:
+        try:
+            flat = flatten_state(vars(obj), codecs=self.codecs)
+        except StateError as exc:
+            raise StateError(f"inside an argparse.Namespace: {exc}") from None
+        if flat.leaves:
+            raise StateError(f"an argparse.Namespace holds a tensor (attribute {flat.leaves[0].key!r}): keep tensors "
+                             "out of the hyper-parameters, or convert it (t.tolist())")
+        return {"tree": flat.tree}
+
+    def decode(self, data: Any) -> Any:
+        where = "an argparse.Namespace"
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: damaged data")
+        try:
+            check_tree(data.get("tree"), 0, where)
+        except ManifestError as exc:
+            raise CheckpointError(f"{where}: damaged data ({exc})") from None
+        return argparse.Namespace(**decode_tree(data["tree"], [], self.codecs, where))
+
+
+class PathCodec:
+    """pathlib paths as their string (they come back as pathlib.Path)."""
+
+    name = "pathlib.Path"
+    types: tuple[type, ...] = (pathlib.PurePath,)
+
+    def encode(self, obj: Any) -> Any:
+        return str(obj)
+
+    def decode(self, data: Any) -> Any:
+        if not isinstance(data, str):
+            raise CheckpointError("a pathlib.Path: damaged data")
+        return pathlib.Path(data)
+
+
+def with_codecs(codecs: Sequence[Codec]) -> tuple[Codec, ...]:
+    """The user's codecs first (they may handle the same types differently), then ours for argparse.Namespace
+    and pathlib paths unless the user's have those names; a Namespace's attributes may use any of them."""
+    names = {c.name for c in codecs}
+    namespace = NamespaceCodec()
+    every = tuple(codecs) + tuple(c for c in (namespace, PathCodec()) if c.name not in names)
+    namespace.codecs = every
+    return every
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def local_path(path: Any) -> str:
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    if "://" in text:
+        raise CheckpointConfigError(f"{text}: LightningCheckpointIO writes its pointer files on a local filesystem; give "
+                                    "ModelCheckpoint a local dirpath (the data can go to remote=... of LightningCheckpointIO)")
+    return os.path.abspath(text)
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def namespaces_hint(exc: StateError, checkpoint: Mapping[str, Any]) -> str:
+    """Where the Namespaces are, when the error comes from inside one (a codec cannot know its key)."""
+    if "argparse.Namespace" not in str(exc):
+        return ""
+    found: list[str] = []
+
+    def walk(obj: Any, key: str) -> None:
+        if isinstance(obj, argparse.Namespace):
+            found.append(key)
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, f"{key}/{k}" if key else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{key}/{i}")
+
+    walk(checkpoint, "")
+    return f" (the argparse.Namespace at {', '.join(repr(k) for k in found[:5])})" if found else ""
+
+
+def placed(tree: dict[str, Any], map_location: Any) -> dict[str, Any]:
+    """Tensors moved as torch.load's map_location would (they load on the CPU)."""
+    device = device_of(map_location)
+    if device is None or device.type == "cpu":
+        return tree
+    return apply_to_collection(tree, torch.Tensor, lambda t: t.to(device))
+
+
+def device_of(map_location: Any) -> torch.device | None:
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, Mapping):
+        where = map_location.get("cpu")
+        return None if where is None else torch.device(where)
+    if callable(map_location):  # fn(storage, location) -> storage, as torch.load calls it
+        moved: Callable[..., Any] = map_location
+        result = moved(torch.empty(1).untyped_storage(), "cpu")
+        return getattr(result, "device", None)
+    raise CheckpointConfigError(f"map_location={map_location!r}: pass a device, a str, a dict or a function (storage, location)")
+
+
+def global_rank_zero() -> bool:
+    """This process saves: torch.distributed is not initialised, or this is its rank 0 (Lightning saves there)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def check_one_writer(options: Mapping[str, Any]) -> None:
+    """Refuse a manager on the default process group of several ranks: Lightning saves from rank 0 only."""
+    import torch.distributed as dist
+
+    if "process_group" not in options and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise CheckpointConfigError(
+            "LightningCheckpointIO: Lightning saves from global rank 0 only, and a CheckpointManager on the default "
+            "process group would wait for every rank; pass process_group=torch.distributed.new_group([0]) "
+            "(created on every rank) to LightningCheckpointIO(...)")

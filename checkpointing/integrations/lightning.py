@@ -1,0 +1,399 @@
+"""LightningCheckpointIO: Lightning's CheckpointIO on a CheckpointManager (layer: integrations).
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from checkpointing.integrations.lightning import LightningCheckpointIO
+
+    trainer = Trainer(plugins=[LightningCheckpointIO("/nvme/ckpt/run1")],
+                      callbacks=[ModelCheckpoint(dirpath="ckpts", save_last=True)])
+    trainer.fit(model, ckpt_path="last")
+
+`save_checkpoint` returns after the snapshot (CheckpointManager.save); writing, fsync and commit go
+on in the background. The manager opens after the first optimizer step (or at the first save).
+`teardown` (end of fit/validate/test) waits until every save is durable and its pointers written,
+deletes what Lightning removed, closes the manager and raises the error of a failed save.
+
+Paths and steps. Our steps are numbered by the checkpoint's `global_step`. At each path Lightning
+saves to we write a small JSON *pointer file* (_lightning_pointer.py: our directory, the step, the
+save's id) once the step is committed (from the save handle's done callback). ModelCheckpoint's
+existence checks and `ckpt_path="last"` (the newest `last*.ckpt` in its dirpath, by mtime) see only
+pointers, hence only committed steps: `last` never resolves to a half-written step, and after a
+crash the previous pointers are still in place.
+
+A second save at a global step this object saved already (`last.ckpt` after `epoch=0-step=100.ckpt`)
+saves nothing (steps are immutable; weights and optimizer state are the same at one global step): it
+records an alias, whose pointer also carries the small entries that may differ (ModelCheckpoint sets
+`last_model_path` just before it saves `last.ckpt`): every entry but `state_dict` and
+`optimizer_states` with at most 1 MiB of tensors. Loading a path returns what Lightning gave for it.
+
+remove_checkpoint(path) removes the pointer (or the alias waiting for its commit); an overwritten
+pointer (`last.ckpt` moves on) releases its old step too. The step goes (mgr.delete, reference-safe)
+once no pointer in a directory this object wrote to or read from, and no alias waiting, names it;
+that never waits for a save: it runs at the next call (or teardown) with no save in flight.
+
+A save at a step an earlier run committed, other than the step this object loaded (a resume from
+an older checkpoint trains over newer steps), replaces it, as Torch's IO overwrites a file: the old
+step is deleted (this waits for the saves in flight) and the pointers naming it are removed; a
+pointer elsewhere that names the old save is refused at load (its save id does not match).
+
+Never pickles. Non-tensor entries (hyper-parameters, loops and callbacks' state, schedulers) go
+into the manifest's JSON tree (tuples, int keys, non-finite floats kept); argparse.Namespace and
+pathlib paths through codecs of _lightning_values.py; anything else is refused at save_checkpoint
+with its key and the fix (`codecs=[...]`, or leave it out of the hyper-parameters). Each step also
+holds `_lightning_checkpoint_io: {"save_id": ...}` (checkpointing.load shows it; load_checkpoint drops it).
+
+Limits: a pointer copied to a directory this object neither wrote to nor loaded from does not keep
+its step. ModelCheckpoint(save_last="link") replaces `last.ckpt` by a link without remove_checkpoint,
+so the old pointer's step stays on disk (save_last=True costs only a pointer here anyway). Lightning
+saves from global rank 0 only: under DDP pass process_group=torch.distributed.new_group([0]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+import shutil
+import threading
+import weakref
+from typing import Any, Mapping, Sequence
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import checkpointing
+from checkpointing.errors import (CheckpointConfigError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError,
+                                  CheckpointUploadError, StateError)
+from checkpointing.integrations import _lightning_pointer as ptr
+from checkpointing.integrations import _lightning_values as vals
+from checkpointing.manager import CheckpointManager, SaveHandle
+from checkpointing.state.codecs import Codec
+
+__all__ = ["LightningCheckpointIO"]
+
+log = logging.getLogger("checkpointing")
+
+ID_KEY = "_lightning_checkpoint_io"  # stored in every step: {"save_id": ...}, checked against the pointer at load
+BULK = frozenset({"state_dict", "optimizer_states"})  # never in an alias's overrides: equal at one global step
+MAX_OVERRIDE_BYTES = 1 << 20
+_CODEC_HINT = ("LightningCheckpointIO never pickles: give it a codec for that type (LightningCheckpointIO(dir, codecs=[codec]), "
+               "a checkpointing.Codec: name, types, encode(obj) -> JSON-like data, decode(data)), or keep the value out of "
+               "the checkpoint (self.save_hyperparameters(ignore=[...]))")
+
+
+@dataclasses.dataclass
+class _Step:
+    """A step this object saved or loaded, and the pointers to it that wait for its commit."""
+
+    save_id: str
+    handle: SaveHandle | None = None  # None: committed before this object saw it
+    committed: bool = True
+    pending: dict[str, dict | None] = dataclasses.field(default_factory=dict)  # path -> overrides
+    settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # done callback finished
+
+    def in_flight(self) -> bool:
+        return self.handle is not None and not self.settled.is_set()
+
+
+class LightningCheckpointIO(CheckpointIO):
+    """A Lightning CheckpointIO that saves through a CheckpointManager in `local_dir` (see the module docstring).
+
+    `codecs`: checkpointing.Codec objects for hyper-parameter values that are not JSON-like (ours for
+    argparse.Namespace and pathlib paths are added). `manager_options`: CheckpointManager's keyword
+    options (remote=, storage_options=, incremental=, ...). keep_local defaults to None: Lightning's
+    ModelCheckpoint decides what is kept (a retention of our own could delete steps it still lists).
+    """
+
+    def __init__(self, local_dir: str | os.PathLike, *, codecs: Sequence[Codec] = (), **manager_options: Any) -> None:
+        if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir) or "://" in str(local_dir):
+            raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a local directory (remote=... takes a URL)")
+        if "read_only" in manager_options:
+            raise CheckpointConfigError("LightningCheckpointIO writes checkpoints: read_only is not an option here; "
+                                        "checkpointing.load(dir) reads a step without writing")
+        try:
+            inspect.signature(CheckpointManager.__init__).bind(None, local_dir, **manager_options)
+        except TypeError as exc:
+            raise CheckpointConfigError(f"LightningCheckpointIO(..., **manager_options): {exc}; see help(CheckpointManager)") from None
+        manager_options.setdefault("keep_local", None)
+        if manager_options["keep_local"] is not None:
+            log.warning("checkpointing: LightningCheckpointIO with keep_local=%r may delete steps ModelCheckpoint still lists; "
+                        "ModelCheckpoint(save_top_k=...) decides what is kept when keep_local=None", manager_options["keep_local"])
+        self.directory = os.path.abspath(os.fspath(local_dir))
+        self._options = manager_options
+        self._codecs = vals.with_codecs(codecs)
+        self._mgr: CheckpointManager | None = None
+        self._lock = threading.Lock()  # guards everything below and every pointer file operation
+        self._steps: dict[int, _Step] = {}
+        self._on_disk: set[int] = set()  # committed steps of the directory (listed once per manager)
+        self._doomed: set[int] = set()  # steps that lost a pointer: deleted once nothing refers to them
+        self._dirs: set[str] = set()  # directories of the pointers this object wrote or read
+        self._errors: list[BaseException] = []  # failed saves seen by done callbacks, raised at the next call
+        self._reported: set[int] = set()  # failed steps the manager raised itself already
+        self._opener: Any = None
+        self._arm()
+
+    @property
+    def manager(self) -> CheckpointManager | None:
+        """The open CheckpointManager (None before the first save and after teardown)."""
+        return self._mgr
+
+    # ------------------------------------------------------------------ CheckpointIO
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Snapshot `checkpoint` as step checkpoint["global_step"] (an alias if this object saved that step); returns after the snapshot."""
+        if storage_options is not None:
+            raise CheckpointConfigError("LightningCheckpointIO.save_checkpoint takes no storage_options: pass the manager's "
+                                        "options to LightningCheckpointIO(dir, ...) instead")
+        self._raise_errors()
+        target = vals.local_path(path)
+        step = checkpoint.get("global_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointConfigError(f"the checkpoint for {target} has global_step={step!r}: LightningCheckpointIO numbers steps by it")
+        if ID_KEY in checkpoint:
+            raise CheckpointConfigError(f"the checkpoint for {target} has a key {ID_KEY!r}, which LightningCheckpointIO reserves")
+        mgr = self._open()
+        self._collect()
+        with self._lock:
+            self._dirs.add(os.path.dirname(target))
+            known = self._steps.get(step)
+        if known is not None:
+            self._add_alias(target, step, known, self._overrides(checkpoint, target))
+            return
+        if step in self._on_disk:
+            self._replace(step)
+        entry = _Step(ptr.new_save_id(), committed=False)
+        try:
+            entry.handle = mgr.save(step, {**checkpoint, ID_KEY: {"save_id": entry.save_id}})
+        except StateError as exc:
+            raise StateError(f"{exc}{vals.namespaces_hint(exc, checkpoint)}. {_CODEC_HINT}") from exc
+        except CheckpointSaveError as exc:  # an earlier save failed: the manager reports it here
+            with self._lock:
+                self._reported.add(exc.step)
+            raise
+        with self._lock:
+            self._steps[step] = entry
+            self._on_disk.add(step)
+        self._add_alias(target, step, entry, None)
+        entry.handle.add_done_callback(functools.partial(self._settle, step, entry))
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict saved for `path`: CPU tensors unless `map_location` moves them (weights_only: nothing is unpickled anyway)."""
+        target = vals.local_path(path)
+        self._arm()  # a resumed fit follows: open the manager at its first optimizer step
+        if not os.path.exists(target):
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
+        pointer = ptr.read_pointer(target)
+        if pointer is None:
+            raise CheckpointError(f"{target} is not a LightningCheckpointIO pointer file (a torch.save checkpoint?): "
+                                  "LightningCheckpointIO never unpickles; load it with Lightning's TorchCheckpointIO, or "
+                                  "import it first: checkpointing import SRC DEST")
+        # the directory the pointer names; if it is gone (the checkpoints were moved), ours (the save id tells)
+        directory = pointer.directory if os.path.isdir(pointer.directory) else self.directory
+        ours = directory == self.directory
+        with self._lock:
+            entry = self._steps.get(pointer.step) if ours else None
+        if entry is not None and entry.handle is not None and not entry.handle.done():
+            entry.handle.wait()  # a save of this step in flight here: load it once committed
+        tree = self._load_step(directory, pointer.step, target)
+        saved = tree.pop(ID_KEY, None)
+        if not isinstance(saved, dict) or saved.get("save_id") != pointer.save_id:
+            raise CheckpointError(f"{target} names step {pointer.step} of {directory} as saved by save {pointer.save_id}, "
+                                  "but that step was replaced by another save since (a run resumed from an older checkpoint "
+                                  "saved it again): load another checkpoint, or delete this pointer file")
+        if pointer.overrides is not None:
+            tree.update(vals.decode_entries(pointer.overrides, self._codecs, target))
+        with self._lock:
+            self._dirs.add(os.path.dirname(target))
+            if ours:
+                self._steps.setdefault(pointer.step, _Step(pointer.save_id))
+        return vals.placed(tree, map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer at `path`; its step goes once nothing refers to it (see the module docstring)."""
+        target = vals.local_path(path)
+        with self._lock:
+            for step, entry in self._steps.items():
+                if target in entry.pending:
+                    del entry.pending[target]
+                    self._doomed.add(step)
+            pointer = ptr.read_pointer_quietly(target)
+            if pointer is not None and pointer.directory == self.directory:
+                self._doomed.add(pointer.step)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            elif os.path.lexists(target):
+                os.remove(target)
+        self._collect()
+
+    def teardown(self) -> None:
+        """Wait until every save is durable and its pointers are written, delete what was removed,
+        close the manager; raise the error of a failed save."""
+        opener, self._opener = self._opener, None
+        if opener is not None:
+            opener.remove()
+        mgr, failure = self._mgr, None
+        if mgr is not None:
+            try:
+                try:
+                    mgr.wait()
+                except CheckpointSaveError as exc:
+                    failure = exc
+                    with self._lock:
+                        self._reported.add(exc.step)
+                with self._lock:
+                    entries = list(self._steps.values())
+                for entry in entries:
+                    if entry.handle is not None:
+                        entry.settled.wait()  # its done callback wrote its pointers
+                self._collect()
+            finally:
+                self._mgr = None
+                mgr.close()
+        self._raise_errors(failure)
+
+    # ------------------------------------------------------------------ internals
+
+    def _arm(self) -> None:
+        """Open the manager after the next optimizer step (of global rank 0), not at the first save: a
+        manager that saw the optimizer step defers the copy of its state, so the first save costs the
+        loop no more than the later ones (opened at the first save, it copies the whole state at once)."""
+        if self._opener is not None:
+            return
+        me = weakref.ref(self)
+
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            io = me()
+            if io is not None and io._mgr is None and vals.global_rank_zero():  # the hook stays until teardown
+                try:
+                    io._open()
+                except CheckpointError as exc:  # the first save raises it, where Lightning reports it
+                    log.debug("checkpointing: LightningCheckpointIO: opening the manager after a step: %s", exc)
+
+        self._opener = register_optimizer_step_post_hook(after_step)
+
+    def _open(self) -> CheckpointManager:
+        if self._mgr is None:
+            vals.check_one_writer(self._options)
+            self._mgr = CheckpointManager(self.directory, codecs=self._codecs, **self._options)
+            self._on_disk = set(self._mgr.steps())
+        return self._mgr
+
+    def _overrides(self, checkpoint: Mapping[str, Any], target: str) -> dict | None:
+        """The entries of a second save at one step that its pointer carries (see the module docstring)."""
+        small = {k: v for k, v in checkpoint.items() if k not in BULK and vals.tensor_bytes(v) <= MAX_OVERRIDE_BYTES}
+        if not small:
+            return None
+        try:
+            return vals.encode_entries(small, self._codecs)
+        except StateError as exc:
+            raise StateError(f"{exc} (saving {target}){vals.namespaces_hint(exc, checkpoint)}. {_CODEC_HINT}") from exc
+
+    def _add_alias(self, target: str, step: int, entry: _Step, overrides: dict | None) -> None:
+        """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
+        with self._lock:
+            for other, e in self._steps.items():
+                if e is not entry and target in e.pending:  # `target` named another step not committed yet
+                    del e.pending[target]
+                    self._doomed.add(other)
+            if entry.committed:
+                self._write(target, step, entry, overrides)
+            else:
+                entry.pending[target] = overrides
+
+    def _settle(self, step: int, entry: _Step, handle: SaveHandle) -> None:
+        """The done callback of a save (a background thread): write its pointers, or keep its error."""
+        try:
+            error = handle.exception()
+            with self._lock:
+                if error is not None and step not in self._reported:
+                    self._errors.append(error)
+                if error is None or isinstance(error, CheckpointUploadError):  # committed (an upload error leaves it local)
+                    entry.committed = True
+                    pending, entry.pending = entry.pending, {}
+                    for target, overrides in pending.items():
+                        self._write(target, step, entry, overrides)
+                else:
+                    entry.pending.clear()
+                    self._on_disk.discard(step)
+                    if self._steps.get(step) is entry:
+                        del self._steps[step]
+        except Exception as exc:  # noqa: BLE001 - raised at the next call instead of dying on this thread
+            with self._lock:
+                self._errors.append(exc)
+        finally:
+            entry.settled.set()
+
+    def _write(self, target: str, step: int, entry: _Step, overrides: dict | None) -> None:
+        """Write a pointer (the lock held); the step it replaces at `target` may go."""
+        old = ptr.read_pointer_quietly(target)
+        try:
+            ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides))
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the pointer file {target} for step {step} ({exc}); "
+                                  f"the step is committed in {self.directory}") from exc
+        self._dirs.add(os.path.dirname(target))
+        if old is not None and old.directory == self.directory and old.step != step:
+            self._doomed.add(old.step)
+
+    def _referenced(self) -> set[int]:
+        """Steps a pointer (in the directories this object knows) or an alias waiting names (the lock held)."""
+        steps = {s for s, e in self._steps.items() if e.pending}
+        for folder in self._dirs:
+            for _, p in ptr.scan(folder):
+                known = self._steps.get(p.step)
+                if p.directory == self.directory and (known is None or known.save_id == p.save_id):  # not a stale pointer
+                    steps.add(p.step)
+        return steps
+
+    def _collect(self) -> None:
+        """Delete the doomed steps nothing refers to, when no save is in flight (training thread)."""
+        mgr = self._mgr
+        with self._lock:
+            if mgr is None or not self._doomed or any(e.in_flight() for e in self._steps.values()):
+                return
+            doomed, self._doomed = self._doomed - self._referenced(), set()
+        for step in sorted(doomed):
+            if step in self._on_disk:
+                try:
+                    mgr.delete(step, allow_latest=True)
+                except CheckpointNotFoundError:
+                    pass  # gone already (a retention of the manager's own)
+            with self._lock:
+                self._on_disk.discard(step)
+                self._steps.pop(step, None)
+
+    def _replace(self, step: int) -> None:
+        """A save at `step`, committed by an earlier run: delete the old step and the pointers naming it."""
+        assert self._mgr is not None
+        log.warning("checkpointing: step %d in %s was saved by an earlier run; Lightning saves it again (a resume from an "
+                    "older checkpoint): the old step and its pointer files are replaced", step, self.directory)
+        self._mgr.delete(step, allow_latest=True)
+        with self._lock:
+            for folder in self._dirs:
+                for path, pointer in list(ptr.scan(folder)):
+                    if pointer.directory == self.directory and pointer.step == step:
+                        os.remove(path)
+            self._on_disk.discard(step)
+            self._doomed.discard(step)
+
+    def _load_step(self, directory: str, step: int, target: str) -> dict[str, Any]:
+        """`step` of `directory`, or of our remote tier when it is ours and lacks the step (a replaced node)."""
+        try:
+            return checkpointing.load(directory, step, codecs=self._codecs)
+        except CheckpointNotFoundError as exc:
+            remote = self._options.get("remote")
+            if remote is None or directory != self.directory:
+                raise CheckpointNotFoundError(f"{target} names step {step} of {directory}, which is not there: {exc}") from exc
+        return checkpointing.load(remote, step, codecs=self._codecs, storage_options=self._options.get("storage_options"))
+
+    def _raise_errors(self, failure: BaseException | None = None) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+            self._reported.clear()
+        errors = ([failure] if failure is not None else []) + errors
+        for extra in errors[1:]:
+            log.error("checkpointing: LightningCheckpointIO: %s", extra)
+        if errors:
+            raise errors[0]

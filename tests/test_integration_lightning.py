@@ -1,0 +1,267 @@
+"""LightningCheckpointIO with a real lightning.pytorch.Trainer on the CPU (checkpointing/integrations/lightning.py).
+
+A tiny LightningModule (Linear + BatchNorm + Linear, AdamW, StepLR) trains on 32 fixed samples in
+batches of 8 (4 steps per epoch, no shuffling), so every run is deterministic and a resumed run can
+be compared bit for bit with an uninterrupted one. The ModelCheckpoint callbacks are Lightning's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import checkpointing  # noqa: E402
+from checkpointing import CheckpointManager, CheckpointNotFoundError, StateError  # noqa: E402
+from checkpointing.format import naming  # noqa: E402
+from checkpointing.integrations import _lightning_pointer as ptr  # noqa: E402
+from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: E402
+
+STEPS_PER_EPOCH = 4
+EPOCHS = 4
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self, args: Any = None, lr: float = 0.01, scores: list[float] | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.captured: list[dict] = []  # what each save_checkpoint received, in order
+        self.steps_run = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_run += 1
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.hparams.scores is not None:
+            self.log("score", float(self.hparams.scores[self.current_epoch]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:  # the last hook before the CheckpointIO gets it
+        self.captured.append(copy.deepcopy(checkpoint))
+
+
+class PointersAreCommitted(Callback):
+    """At every batch end (saves in flight): each pointer file in `folder` names a committed step."""
+
+    def __init__(self, folder: Path, store: Path) -> None:
+        self.folder, self.store, self.checked = folder, store, 0
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        for path, pointer in ptr.scan(str(self.folder)):
+            assert (self.store / naming.commit_name(pointer.step)).exists(), f"{path} names step {pointer.step}, not committed"
+            self.checked += 1
+
+
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+def _fit(root: Path, *, max_epochs: int, ckpt_path: str | None = None, callbacks: list | None = None,
+         module: TinyModule | None = None, io: LightningCheckpointIO | None = None) -> tuple[TinyModule, Any, LightningCheckpointIO]:
+    pl.seed_everything(0, verbose=False)
+    module = module or TinyModule(args=argparse.Namespace(width=16, kernel=(3, 3), name="tiny", path=Path("/data/x")))
+    io = io or LightningCheckpointIO(root / "store")
+    if callbacks is None:
+        callbacks = [ModelCheckpoint(dirpath=root / "ckpts", save_last=True)]
+    callbacks = [*callbacks, PointersAreCommitted(root / "ckpts", root / "store")]
+    trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[io], callbacks=callbacks)
+    trainer.fit(module, _data(), ckpt_path=ckpt_path)
+    return module, trainer, io
+
+
+def _other_module() -> TinyModule:
+    """A module to resume into, with other initial weights than the runs' (seed 0): only a restore makes it theirs."""
+    torch.manual_seed(1)
+    return TinyModule()
+
+
+def _final_state(module: TinyModule, trainer: Any) -> dict:
+    return {"model": {k: v.clone() for k, v in module.state_dict().items()},
+            "optim": copy.deepcopy(trainer.optimizers[0].state_dict())}
+
+
+def _steps(store: Path) -> list[int]:
+    with CheckpointManager(store, read_only=True) as mgr:
+        return mgr.steps()
+
+
+def _pointers(folder: Path) -> dict[str, int]:
+    return {os.path.basename(p): pointer.step for p, pointer in ptr.scan(str(folder))}
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Equal values of the same kinds: tuples stay tuples, int keys stay ints, tensors keep dtype and bits."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert type(k) is type(next(kb for kb in b if kb == k)), f"{where}/{k}: key type"
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, argparse.Namespace):
+        assert isinstance(b, argparse.Namespace), where
+        assert_same(vars(a), vars(b), where)
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """EPOCHS epochs without interruption: the final weights and optimizer state."""
+    module, trainer, _ = _fit(tmp_path_factory.mktemp("reference"), max_epochs=EPOCHS)
+    return _final_state(module, trainer)
+
+
+def test_resume_from_last_is_bit_exact_and_every_path_loads_what_lightning_gave(tmp_path, reference):
+    module, _, io = _fit(tmp_path, max_epochs=1)
+    # teardown waited: the step is committed and its pointers written once fit() returns; the manager is closed
+    assert io.manager is None
+    assert _steps(tmp_path / "store") == [4]
+    assert _pointers(tmp_path / "ckpts") == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4}
+    # epoch=0-step=4.ckpt is the step's save; last.ckpt an alias of it, with the entries Lightning changed in between
+    top, last = module.captured
+    assert top["callbacks"] != last["callbacks"]  # last_model_path is set just before last.ckpt is saved
+    assert_same(io.load_checkpoint(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"), top)
+    assert_same(io.load_checkpoint(tmp_path / "ckpts" / "last.ckpt"), last)
+    assert isinstance(last["optimizer_states"][0]["param_groups"][0]["betas"], tuple)
+
+    resumed, trainer, _ = _fit(tmp_path, max_epochs=EPOCHS, ckpt_path="last", module=_other_module())
+    assert resumed.steps_run == (EPOCHS - 1) * STEPS_PER_EPOCH
+    assert_same(_final_state(resumed, trainer), reference)
+    assert _steps(tmp_path / "store") == [16]  # save_top_k=1: step 4 went with its last pointer
+    assert _pointers(tmp_path / "ckpts") == {"epoch=3-step=16.ckpt": 16, "last.ckpt": 16}
+    assert_same(checkpointing.load(tmp_path / "store")["state_dict"], reference["model"])
+
+
+def test_save_top_k_by_a_monitored_metric_keeps_exactly_those_steps(tmp_path):
+    scores = [5.0, 3.0, 4.0, 1.0, 2.0, 6.0]  # the best two: epochs 3 and 4 (steps 16 and 20)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="score", mode="min", save_top_k=2, filename="{epoch}")
+    _, _, io = _fit(tmp_path, max_epochs=len(scores), callbacks=[best], module=TinyModule(scores=scores))
+    assert _steps(tmp_path / "store") == [16, 20]
+    assert _pointers(tmp_path / "ckpts") == {"epoch=3.ckpt": 16, "epoch=4.ckpt": 20}
+    assert io.load_checkpoint(best.best_model_path)["global_step"] == 16
+    on_meta = io.load_checkpoint(best.best_model_path, map_location="meta")
+    assert {t.device.type for t in on_meta["state_dict"].values()} == {"meta"}
+    with pytest.raises(CheckpointNotFoundError):
+        checkpointing.load(tmp_path / "store", step=12)
+
+
+def test_every_n_train_steps_with_save_last(tmp_path):
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1, save_last=True)
+    _fit(tmp_path, max_epochs=3, callbacks=[every])  # 12 steps: saves at 3, 6, 9, 12 (+ last.ckpt each time)
+    assert _steps(tmp_path / "store") == [3, 6, 9, 12]
+    assert _pointers(tmp_path / "ckpts") == {"epoch=0-step=3.ckpt": 3, "epoch=1-step=6.ckpt": 6, "epoch=2-step=9.ckpt": 9,
+                                             "epoch=2-step=12.ckpt": 12, "last.ckpt": 12}
+
+
+def test_resume_from_an_explicit_older_checkpoint_replaces_the_newer_steps(tmp_path, reference):
+    every_epoch = [ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, save_last=True)]
+    _fit(tmp_path, max_epochs=EPOCHS, callbacks=every_epoch)
+    assert _steps(tmp_path / "store") == [4, 8, 12, 16]
+    old_last = ptr.read_pointer(str(tmp_path / "ckpts" / "last.ckpt"))
+
+    every_epoch = [ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, save_last=True)]
+    resumed, trainer, io = _fit(tmp_path, max_epochs=EPOCHS, ckpt_path=str(tmp_path / "ckpts" / "epoch=1-step=8.ckpt"),
+                                callbacks=every_epoch, module=_other_module())
+    assert resumed.steps_run == (EPOCHS - 2) * STEPS_PER_EPOCH
+    assert_same(_final_state(resumed, trainer), reference)
+    assert _steps(tmp_path / "store") == [4, 8, 12, 16]  # 12 and 16 saved again by the resumed run
+    pointers = _pointers(tmp_path / "ckpts")
+    assert pointers["last.ckpt"] == 16 and ptr.read_pointer(str(tmp_path / "ckpts" / "last.ckpt")).save_id != old_last.save_id
+    for name, step in pointers.items():  # every pointer left names the step as it is now
+        assert io.load_checkpoint(tmp_path / "ckpts" / name)["global_step"] == step
+    assert sorted(pointers.values()) == [4, 8, 12, 16, 16]
+
+
+def test_aliases_and_removal_through_the_io_calls(tmp_path):
+    """What ModelCheckpoint does, called directly: two paths for one step, then removals (deleted at teardown)."""
+    io = LightningCheckpointIO(tmp_path / "store")
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    io.save_checkpoint({"global_step": 5, "state_dict": weights, "epoch": 0}, tmp_path / "ckpts" / "a.ckpt")
+    io.save_checkpoint({"global_step": 5, "state_dict": weights, "epoch": 1}, tmp_path / "ckpts" / "b.ckpt")  # an alias
+    io.save_checkpoint({"global_step": 7, "state_dict": weights, "epoch": 2}, tmp_path / "ckpts" / "c.ckpt")
+    io.remove_checkpoint(tmp_path / "ckpts" / "a.ckpt")  # b still names step 5
+    io.teardown()
+    assert _steps(tmp_path / "store") == [5, 7] and _pointers(tmp_path / "ckpts") == {"b.ckpt": 5, "c.ckpt": 7}
+    assert io.load_checkpoint(tmp_path / "ckpts" / "b.ckpt")["epoch"] == 1  # the alias's own entries
+    io.save_checkpoint({"global_step": 9, "state_dict": weights, "epoch": 3}, tmp_path / "ckpts" / "c.ckpt")  # c moves on
+    io.remove_checkpoint(tmp_path / "ckpts" / "b.ckpt")
+    io.teardown()
+    assert _steps(tmp_path / "store") == [9] and _pointers(tmp_path / "ckpts") == {"c.ckpt": 9}
+    assert_same(checkpointing.load(tmp_path / "store", 9, exclude="_lightning_checkpoint_io")["state_dict"], weights)
+
+
+class Opaque:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class OpaqueCodec:
+    name = "test.Opaque"
+    types = (Opaque,)
+
+    def encode(self, obj: Opaque) -> Any:
+        return {"value": obj.value}
+
+    def decode(self, data: Any) -> Opaque:
+        return Opaque(data["value"])
+
+
+def test_a_hyper_parameter_the_json_tree_cannot_hold(tmp_path):
+    with pytest.raises(StateError, match=r"hyper_parameters/args.*codecs=\[codec\]"):
+        _fit(tmp_path / "a", max_epochs=1, module=TinyModule(args=Opaque(3)))
+    with pytest.raises(StateError, match=r"argparse.Namespace at 'hyper_parameters/args'"):
+        _fit(tmp_path / "b", max_epochs=1, module=TinyModule(args=argparse.Namespace(fn=Opaque(3))))
+
+    io = LightningCheckpointIO(tmp_path / "c" / "store", codecs=[OpaqueCodec()])
+    _fit(tmp_path / "c", max_epochs=1, module=TinyModule(args=argparse.Namespace(fn=Opaque(3))), io=io)
+    loaded = io.load_checkpoint(tmp_path / "c" / "ckpts" / "last.ckpt")
+    assert isinstance(loaded["hyper_parameters"]["args"].fn, Opaque) and loaded["hyper_parameters"]["args"].fn.value == 3
+
+
+def test_load_refuses_files_it_did_not_write(tmp_path):
+    torch.save({"state_dict": {}}, tmp_path / "torch.ckpt")
+    io = LightningCheckpointIO(tmp_path / "store")
+    with pytest.raises(checkpointing.CheckpointError, match="not a LightningCheckpointIO pointer file"):
+        io.load_checkpoint(tmp_path / "torch.ckpt")
+    with pytest.raises(CheckpointNotFoundError, match="not found"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")

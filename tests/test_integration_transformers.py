@@ -1,0 +1,311 @@
+"""CheckpointingTrainer with a real transformers.Trainer on the CPU (checkpointing/integrations/transformers.py).
+
+A tiny GPT-2 (2 layers, 32 wide, dropout on) built from a config trains on 24 fixed random
+sequences in batches of 4 (6 steps per epoch, shuffled by the Trainer's sampler) for 12 steps,
+saving every 4. A run interrupted after step 8 (a callback stops it there, as a crash after the
+save would) and resumed by a new Trainer must end bit for bit where the uninterrupted run ends:
+weights, AdamW moments and the LR schedule (which needs the dataloader position, the RNG states
+and the scheduler restored). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import checkpointing  # noqa: E402
+from checkpointing import CheckpointError, CheckpointManager, CheckpointNotFoundError  # noqa: E402
+from checkpointing.format import naming  # noqa: E402
+from checkpointing.integrations import _hf_markers as markers  # noqa: E402
+from checkpointing.integrations import transformers as ckpt_hf  # noqa: E402
+from checkpointing.integrations.transformers import SaveTotalLimit  # noqa: E402
+from checkpointing.plan.retention import StepInfo  # noqa: E402
+
+MAX_STEPS, SAVE_STEPS, CRASH_AT = 12, 4, 8
+
+
+@pytest.fixture(autouse=True)
+def _offline_and_quiet(monkeypatch: pytest.MonkeyPatch, one_torch_thread: None) -> Any:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class StopAt(TrainerCallback):
+    """Ends training after global step `k` (after its save): what a crash right after the save leaves."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step >= self.k:
+            control.should_training_stop = True
+
+
+class StartStep(TrainerCallback):
+    """Records the global step a run starts from (0 fresh, N when resumed from checkpoint-N)."""
+
+    start: int | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.start = state.global_step
+
+
+class FoldersNameCommittedSteps(TrainerCallback):
+    """Checks, after every step and every save, that each checkpoint-N folder's step is committed."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def check(self) -> None:
+        folders = folder_steps(self.out)
+        if folders:
+            assert set(folders) <= set(committed(self.out / "checkpointing"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.check()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.check()
+
+
+def dataset(n: int = 24, seq: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 64, (seq,), generator=g)
+        out.append({"input_ids": x, "labels": x.clone()})
+    return out
+
+
+def make(out: Path, *, cls: type = ckpt_hf.CheckpointingTrainer, callbacks: list | None = None, trainer_kwargs: dict | None = None,
+         **args: Any) -> Any:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+    settings: dict[str, Any] = dict(output_dir=str(out), use_cpu=True, report_to=[], save_strategy="steps", save_steps=SAVE_STEPS,
+                                    max_steps=MAX_STEPS, per_device_train_batch_size=4, seed=7, data_seed=7, dataloader_num_workers=0,
+                                    logging_steps=1, learning_rate=1e-2, disable_tqdm=True)
+    settings.update(args)
+    return cls(model=model, args=TrainingArguments(**settings), train_dataset=dataset(), callbacks=callbacks, **(trainer_kwargs or {}))
+
+
+def final_state(trainer: Any) -> dict[str, Any]:
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    return {"model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+            "sched": trainer.lr_scheduler.state_dict()}
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["optim"].keys() == b["optim"].keys()
+    for i in a["optim"]:
+        for k in a["optim"][i]:
+            assert torch.equal(a["optim"][i][k], b["optim"][i][k]), (i, k)
+    assert a["sched"] == b["sched"]
+
+
+def folder_steps(out: Path) -> list[int]:
+    return sorted(n for n, _ in markers.scan(str(out)))
+
+
+def committed(root: Path) -> list[int]:
+    with CheckpointManager(root, read_only=True) as mgr:
+        return mgr.steps()
+
+
+@pytest.fixture(scope="module")
+def _module_setting() -> Any:
+    """What the autouse fixture sets, for the module-scoped runs below (set up before it)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, _module_setting: None) -> dict[str, Any]:
+    """The uninterrupted run to MAX_STEPS (with one torch thread, as every test here)."""
+    out = tmp_path_factory.mktemp("reference")
+    trainer = make(out)
+    trainer.train()
+    return {"out": out, "final": final_state(trainer)}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory, _module_setting: None) -> Path:
+    """An output_dir whose run stopped after step CRASH_AT (checkpoints 4 and 8); tests copy it."""
+    out = tmp_path_factory.mktemp("interrupted") / "out"
+    watch = FoldersNameCommittedSteps(out)  # checks during the run: a folder appears only once its step is committed
+    make(out, callbacks=[StopAt(CRASH_AT), watch]).train()
+    assert folder_steps(out) == [4, 8] == committed(out / "checkpointing")  # train() waited for the last save
+    return out
+
+
+def copy_of(interrupted: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(interrupted, out)
+    return out
+
+
+def resume(out: Path, how: Any, reference: dict[str, Any]) -> tuple[Any, int | None]:
+    start = StartStep()
+    trainer = make(out, callbacks=[start])
+    trainer.train(resume_from_checkpoint=how)
+    assert_same(final_state(trainer), reference["final"])
+    return trainer, start.start
+
+
+def test_uninterrupted_run_matches_transformers_trainer(reference: dict[str, Any], tmp_path: Path) -> None:
+    stock = make(tmp_path / "stock", cls=Trainer)
+    stock.train()
+    assert_same(final_state(stock), reference["final"])  # our saves change nothing in the training itself
+
+    out = reference["out"]
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+    for step in (4, 8, 12):  # each folder: the Trainer's state and our pointer, no model/optimizer/RNG files
+        folder = out / f"checkpoint-{step}"
+        assert sorted(os.listdir(folder)) == ["checkpointing.json", "trainer_state.json"]
+        assert transformers.TrainerState.load_from_json(str(folder / "trainer_state.json")).global_step == step
+    assert not any(name.startswith(".") for name in os.listdir(out))  # no staging folder left
+    tree = checkpointing.load(out / "checkpointing", 12)
+    assert set(tree) == {"model", "optimizer", "scheduler", "rng", "trainer"}
+    for k, v in reference["final"]["model"].items():
+        assert torch.equal(tree["model"][k], v), k
+    assert transformers.trainer_utils.get_last_checkpoint(str(out)) == str(out / "checkpoint-12")
+
+
+def test_resume_true_is_bit_exact_and_unpickles_nothing(interrupted: Path, reference: dict[str, Any], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = copy_of(interrupted, tmp_path)
+
+    def no_unpickling(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    _, start = resume(out, True, reference)
+    assert start == CRASH_AT
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+
+
+def test_resume_from_an_explicit_older_folder_replaces_newer_steps(interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    out = copy_of(interrupted, tmp_path)
+    before = checkpointing.load(out / "checkpointing", 8)["trainer"]["state_json"]
+    _, start = resume(out, str(out / "checkpoint-4"), reference)
+    assert start == 4
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+    after = checkpointing.load(out / "checkpointing", 8)
+    assert after["trainer"]["state_json"] == (out / "checkpoint-8" / "trainer_state.json").read_text()
+    assert after["trainer"]["state_json"] != before  # step 8 was saved again (its log history says so)
+
+
+@pytest.mark.parametrize("crash", ["commit marker lost", "step gone"])
+def test_folder_of_an_uncommitted_step_is_never_resumed(crash: str, interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    out = copy_of(interrupted, tmp_path)
+    step_dir = out / "checkpointing" / naming.step_dir(CRASH_AT)
+    if crash == "commit marker lost":
+        (step_dir / naming.COMMIT_NAME).unlink()  # what a crash between writing and committing leaves
+    else:
+        shutil.rmtree(step_dir)
+    assert (out / "checkpoint-8" / "trainer_state.json").exists()  # the Trainer's get_last_checkpoint would take it
+
+    with pytest.raises(CheckpointNotFoundError, match="not committed"):
+        make(out).train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    trainer, start = resume(out, True, reference)
+    assert start == 4  # the newest committed step
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+
+
+def test_folder_lost_after_commit_is_rebuilt_from_the_step(interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    out = copy_of(interrupted, tmp_path)
+    shutil.rmtree(out / "checkpoint-8")  # the run died between the commit of step 8 and the rename of its folder
+    _, start = resume(out, True, reference)
+    assert start == CRASH_AT
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+
+
+def test_folders_not_written_by_us_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        make(out).train(resume_from_checkpoint=True)
+    with pytest.raises(CheckpointError, match="not written by CheckpointingTrainer"):
+        make(out).train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint folder"):
+        make(out).train(resume_from_checkpoint=str(out / "checkpoint-6"))
+
+
+@pytest.mark.parametrize("limit,best", [(2, False), (2, True), (1, True)])
+def test_save_total_limit_and_best_model(limit: int, best: bool, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    extra: dict[str, Any] = {}
+    if best:  # the eval loss (on other random data) is lowest early on: a step that rotation by age alone would drop
+        extra = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss")
+    trainer = make(out, save_steps=2, save_total_limit=limit, trainer_kwargs={"eval_dataset": dataset(8, seed=1)} if best else None,
+                   **extra)
+    trainer.train()
+    steps = committed(out / "checkpointing")
+    assert folder_steps(out) == steps  # the folders and the steps agree
+    if not best:
+        assert steps == [10, 12]
+        return
+    top = trainer.state.best_global_step
+    assert top not in (10, 12)  # the case this test is about: the best step is an old one
+    assert trainer.state.best_model_checkpoint == str(out / f"checkpoint-{top}")
+    if limit == 1:  # the Trainer's end-of-training cleanup keeps only the best folder; its step stays alone
+        assert steps == [top]
+    else:
+        assert steps == [top, 12]  # the best and the newest, as the Trainer's rotation keeps them
+    saved = checkpointing.load(out / "checkpointing", top, keys=["model"])["model"]
+    for k, v in trainer.model.state_dict().items():  # load_best_model_at_end loaded the best step's weights
+        assert torch.equal(saved[k], v), k
+
+
+def test_resume_from_the_remote_tier_alone(reference: dict[str, Any], tmp_path: Path) -> None:
+    """A replaced machine: output_dir (folders and local steps) is gone; the remote tier has the steps."""
+    out, remote = tmp_path / "out", (tmp_path / "remote").as_uri()
+    first = make(out, callbacks=[StopAt(CRASH_AT)], trainer_kwargs={"remote": remote, "incremental": False})
+    first.train()
+    shutil.rmtree(out)
+    start = StartStep()
+    trainer = make(out, callbacks=[start], trainer_kwargs={"remote": remote})
+    trainer.train(resume_from_checkpoint=True)  # checkpoint-8 is written again from the step, then resumed
+    assert start.start == CRASH_AT
+    assert_same(final_state(trainer), reference["final"])
+    assert folder_steps(out) == [4, 8, 12]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 20])
+@pytest.mark.parametrize("best", [None, 2, 6, 12])
+def test_save_total_limit_policy_keeps_what_the_trainers_rotation_keeps(limit: int, best: int | None, tmp_path: Path) -> None:
+    steps = list(range(2, 13, 2))
+    for s in steps:
+        (tmp_path / f"checkpoint-{s}").mkdir()
+    best_folder = None if best is None else str(tmp_path / f"checkpoint-{best}")
+    transformers.trainer_utils.rotate_checkpoints(str(tmp_path), save_total_limit=limit, best_model_checkpoint=best_folder)
+    theirs = sorted(n for n, _ in markers.scan(str(tmp_path)))
+
+    # the best step has the lowest eval_loss; the others tie (as the Trainer's, our best is the first of equals)
+    infos = [StepInfo(s, {"eval_loss": 1.0 if s == best else 2.0}) for s in steps]
+    ours = SaveTotalLimit(limit, "eval_loss" if best is not None else None).kept(infos)
+    assert sorted(ours) == theirs
