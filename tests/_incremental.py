@@ -203,3 +203,32 @@ def save_incremental_remote(rank: int, world: int, base: str, url: str, options:
     logger.removeHandler(lines)
     return {"stats": stats, "tiers": tiers, "fresh_tiers": fresh_tiers, "local_packs": kept,
             "restored": [line for line in lines.lines if "restored step" in line]}
+
+
+def replicated_tensor_moves_its_primary(rank: int, world: int, base: str, url: str, options: dict) -> dict[str, Any]:
+    """Each rank its own node-local tier, one remote tier. A plain tensor with the same bytes on
+    every rank ("shared") beside per-rank ones ("mine"): at step 1 the ranks do not know yet that
+    "mine" differs, so "shared" is rank 1's primary copy and rank 0 keeps it only locally, past its
+    file's uploaded prefix; from step 2 "shared" is rank 0's primary, its bytes unchanged. Saves
+    1..3, then a fresh node restores each step from the remote tier alone."""
+    import torch.distributed as dist
+
+    from checkpointing import CheckpointManager
+
+    g = torch.Generator().manual_seed(100 + rank)
+    state = {"mine": torch.randn(1 << 19, generator=g), "shared": torch.arange(16384.0)}
+    want = {}
+    stats = []
+    with CheckpointManager(f"{base}/node{rank}", remote=url, storage_options=options, timeout_s=60) as mgr:
+        for step in (1, 2, 3):
+            if step == 3:
+                state["mine"].add_(1.0)
+            want[step] = {k: v.clone() for k, v in state.items()}
+            stats.append(_stats(mgr.save(step, state).wait()))
+    dist.barrier()
+    with CheckpointManager(f"{base}/fresh{rank}", remote=url, storage_options=options, timeout_s=60) as mgr:
+        for step in (1, 2, 3):
+            got = {k: torch.zeros_like(v) for k, v in state.items()}
+            assert mgr.restore(got, step=step) == step
+            assert all(torch.equal(got[k], want[step][k]) for k in got), (rank, step)
+    return {"stats": stats}

@@ -337,3 +337,17 @@ def test_two_ranks_incremental_with_a_remote_tier_restore_from_the_remote_alone(
     assert all(n < 0.2 * total for n in later), (total, later)
     assert earlier_files(remote, 3) and all(f.startswith(naming.step_dir(1) + "/") for f in earlier_files(remote, 3))
     assert earlier_files(remote, 2) == earlier_files(remote, 3)
+
+
+def test_a_replicated_tensor_whose_primary_moves_to_a_local_only_copy_is_written_again(tmp_path, s3_bucket):
+    """Regression: an incremental save took the new primary copy of a replicated tensor from the
+    part of an earlier file that only the local tier holds (past its uploaded prefix); the merge
+    refused the step on every rank ("takes a primary copy from past its uploaded prefix") and no
+    later step could commit. Such a chunk is written again, and every step restores from the
+    remote tier alone."""
+    url, options = s3_bucket
+    results = run_ranks(_incremental.replicated_tensor_moves_its_primary, 2, str(tmp_path / "nodes"), url, options, tmp=tmp_path)
+    for rank, r in enumerate(results):
+        assert all(s["ok"] for s in r["stats"]), r["stats"]
+        assert r["stats"][1]["bytes_reused"] > 0, (rank, r["stats"])  # still incremental where it may be
+    verify_all(open_storage(url, options), [1, 2, 3])

@@ -112,11 +112,16 @@ def base_after_restore(manifest: Manifest, manifest_digest: str, rank: int, tier
                      {p: f for p, f in files.items() if p in used}, tuple(keys))
 
 
-def choose_borrowed(refs: list[ChunkRef | None], files: Mapping[str, FileEntry], same: list[bool], wanted: list[bool]) -> list[bool]:
+def choose_borrowed(refs: list[ChunkRef | None], files: Mapping[str, FileEntry], same: list[bool], wanted: list[bool],
+                    primary: list[bool] | None = None) -> list[bool]:
     """Per placement: take the stored chunk `refs[i]` (True) or write it. `same`: the bytes equal
-    the stored ones; `wanted`: this rank stores the chunk in this save. Files whose usable chunks
+    the stored ones; `wanted`: this rank stores the chunk in this save; `primary`: this rank's copy
+    may become the step's primary copy (regions UNIQUE and PRIMARY), which the remote tier must
+    hold: such a chunk is taken only from inside its file's `primary_bytes` (a copy the earlier save
+    kept only on its local tier, past that prefix, is written again). Files whose usable chunks
     fall below REWRITE_BELOW of their size are rewritten instead of kept alive."""
-    candidates = [w and s and refs[i] is not None for i, (s, w) in enumerate(zip(same, wanted))]
+    candidates = [w and s and refs[i] is not None and (primary is None or not primary[i] or _in_prefix(refs[i], files))
+                  for i, (s, w) in enumerate(zip(same, wanted))]
     live: dict[str, int] = {}
     for i, c in enumerate(candidates):
         if c:
@@ -125,3 +130,8 @@ def choose_borrowed(refs: list[ChunkRef | None], files: Mapping[str, FileEntry],
             live[ref.file] = live.get(ref.file, 0) + ref.length
     keep = {f for f, n in live.items() if n >= REWRITE_BELOW * files[f].nbytes}
     return [c and refs[i].file in keep for i, c in enumerate(candidates)]  # type: ignore[union-attr]
+
+
+def _in_prefix(ref: ChunkRef | None, files: Mapping[str, FileEntry]) -> bool:
+    entry = files.get(ref.file) if ref is not None else None
+    return entry is not None and ref.offset + ref.length <= entry.primary_bytes  # type: ignore[union-attr]

@@ -32,6 +32,19 @@ _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+_madvise = _libc.madvise  # through ctypes, which lets go of the GIL: mmap.madvise holds it for the whole call
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
+
+
+def _populate(buf: mmap.mmap, size: int) -> bool:
+    """Fault every page of `buf` in now (MADV_POPULATE_WRITE), without holding the GIL: a pool of
+    gigabytes takes a good part of a second to fault in, and the training thread runs meanwhile.
+    False where the kernel does not know the advice."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(anchor)
+    del anchor  # the buffer export ends here, so the pool can be closed later
+    return _madvise(address, size, _MADV_POPULATE_WRITE) == 0
 
 
 def map_staging(nbytes: int) -> mmap.mmap:
@@ -45,9 +58,7 @@ def map_staging(nbytes: int) -> mmap.mmap:
         buf.madvise(mmap.MADV_HUGEPAGE)  # before the first fault: faults then take huge pages
     except (AttributeError, OSError):
         pass
-    try:
-        buf.madvise(_MADV_POPULATE_WRITE)
-    except OSError:  # kernel < 5.14: touch every page instead
+    if not _populate(buf, size):  # kernel < 5.14: touch every page instead
         view = memoryview(buf)
         view[:: mmap.PAGESIZE] = bytes(len(range(0, size, mmap.PAGESIZE)))
         view.release()
