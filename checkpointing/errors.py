@@ -103,6 +103,24 @@ class CheckpointUploadError(CheckpointSaveError):
         )
 
 
+class CheckpointPeerError(CheckpointSaveError):
+    """A step committed on the local tier could not be committed on some node's peers.
+
+    `failures`: one line per failed copy (the source node, the peer rank and host, the cause).
+    """
+
+    def __init__(self, step: int, failures: list[str]) -> None:
+        self.step = step
+        self.cause = "; ".join(failures)
+        self.failures = list(failures)
+        CheckpointError.__init__(
+            self,
+            f"peer copy of step {step} failed: {self.cause}. Step {step} is committed on the local tier and restorable "
+            "from there; the next save copies its own step to the peers again.",
+        )
+
+
+
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A wait for a save (handle.wait/result/exception, mgr.wait) ran out of its timeout; the save goes on."""
 

@@ -47,6 +47,7 @@ from checkpointing.observe.accounting import SaveAccounting
 from checkpointing.observe.metrics import SaveStats
 from checkpointing.observe.steptime import RunSummary
 from checkpointing.options import DEFAULT_CHUNK_BYTES, ChangeDetection, ManagerOptions, SnapshotMode
+from checkpointing.peer.node import open_peers
 from checkpointing.plan.retention import RetentionPolicy, tier_states
 from checkpointing.plan.schedule import SaveSchedule
 from checkpointing.restore.planner import execute
@@ -111,6 +112,7 @@ class CheckpointManager:
         mtbf_s: float | None = None,
         on_metrics: Callable[[dict[str, Any]], Any] | None = None,
         read_only: bool = False,
+        peer_copies: int = 0, peer_bandwidth: float | None = None,
     ) -> None:
         if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir):
             raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a directory path")
@@ -119,7 +121,7 @@ class CheckpointManager:
             write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync, reverify_every=reverify_every, reverify_bytes_per_s=reverify_bytes_per_s,
             incremental=incremental, change_detection=change_detection, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
             timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes, upload_bytes_per_s=upload_bytes_per_s,
-            interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics, read_only=read_only,
+            interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics, read_only=read_only, peer_copies=peer_copies, peer_bandwidth=peer_bandwidth,
         )
         group = resolve_group(process_group)
         self.remote_storage: FsspecStorage | None = open_remote_tier(self.options)
@@ -131,6 +133,7 @@ class CheckpointManager:
         self._closed = False
         # the leader rank of each local tier takes its writer lock and tidies it, before anyone writes there
         self._lock = NotHeld() if read_only else start_writing(self._coord, self.directory, tidy=lambda: collect.remove_incomplete(self.storage))
+        self._peers = open_peers(self.options, self.storage, self._coord, release=self._lock.release)  # peer copies: checkpointing/peer/
         self._compose(group)
         self._hook = None if read_only else register_optimizer_step_pre_hook(self._on_optimizer_step)
         _LIVE.add(self)
@@ -148,7 +151,8 @@ class CheckpointManager:
         self._records = SaveRecords(self._acct, self._pool, rank=self.rank, world_size=self.world_size, local=str(self.directory),
                                     remote=self._remote_url())
         pending = PendingUploads()
-        retention = LocalRetention(self.storage, options.local_retention, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending)
+        retention = LocalRetention(self.storage, options.local_retention, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending,
+                                   held=self._peers.held)
         self._uploader: Uploader | None = None
         if self.remote_storage is not None and not options.read_only:  # collective: the ranks agree on interrupted uploads to resume
             self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.remote_retention,
@@ -156,7 +160,8 @@ class CheckpointManager:
             self._inflight.resumed(resumed)
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
                                   records=self._records, retention=retention, uploader=self._uploader,
-                                  reverify_every=options.reverify_every, reverify_bytes_per_s=options.reverify_bytes_per_s)
+                                  reverify_every=options.reverify_every, reverify_bytes_per_s=options.reverify_bytes_per_s,
+                                  after_local=self._peers.committed)
         planner = PackPlanner(coord, group, chunk_bytes=options.chunk_bytes, budget=options.staging_budget_bytes)
         self._saves = SaveIssuer(options, self.storage, planner=planner, inflight=self._inflight, worker=self._worker,
                                  uploader=self._uploader, acct=self._acct, world_size=self.world_size, stepped=self._stepped)
@@ -174,9 +179,10 @@ class CheckpointManager:
         rank 0's are recorded. Every rank calls save() with the same step; none waits for the others.
         """
         self._check_open("save()")
+        self._peers.wait_previous(self._saves.current)  # at most one step copies to the peers while the next is written
         job = self._saves.issue(step, state, eager=eager, metrics=metrics)
         self._loop.at_safe_point(step)
-        return SaveHandle(job, stall=self._acct.stall)
+        return SaveHandle(job, stall=self._acct.stall, peer=self._peers.track(job.seq, step))
 
     def delete(self, step: int, *, allow_latest: bool = False) -> None:
         """Delete committed `step` from every tier (the local tier, and the remote one if configured).
@@ -188,11 +194,14 @@ class CheckpointManager:
         collective call: every rank calls it with the same step (save/deletion.py).
         """
         self._check_open("delete()")
+        self._peers.settle()
         self._deleter.delete(step, allow_latest=allow_latest)
+        self._peers.delete(step)  # and the copies this node holds of other nodes' step
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save is durable on every configured tier; raise the error of a failed one (once)."""
         self._inflight.wait(timeout)
+        self._peers.wait(timeout)
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot no longer reads live tensors.
@@ -218,7 +227,7 @@ class CheckpointManager:
         if remote is None and not self._coord.tiers[self.rank]:  # read-only, no TIER file: it holds every primary copy
             remote, remote_steps = self.storage, set(catalog.list_steps(self.storage).committed)
         chosen, plans = choose_step(state, step, Selection.of(strict, only, exclude), local=self.storage, remote=remote, remote_steps=remote_steps,
-                                    coord=self._coord, codecs=self.options.codecs)
+                                    coord=self._coord, codecs=self.options.codecs, replicas=self._peers.before_restore(step, remote_steps))
         if chosen is None:
             return None
         plan, sources = plans[chosen]
@@ -236,12 +245,13 @@ class CheckpointManager:
         return sorted(self.tiers())
 
     def tiers(self) -> dict[int, str]:
-        """Each committed step -> where it is durable: 'local', 'local+remote' or 'remote' (ascending).
+        """Each committed step -> where it is durable: 'local', 'local+remote' or 'remote' (ascending); with
+        peer_copies, '+peer' where every peer of this rank's node holds a committed copy ('local+peer+remote').
 
         Lists the remote tier (one request per step there); if it cannot be reached the answer is
         the local tier plus the steps this manager knows it uploaded, and a warning is logged.
         """
-        return tier_states(catalog.list_steps(self.storage).committed, self._remote_steps())
+        return self._peers.tier_states(tier_states(catalog.list_steps(self.storage).committed, self._remote_steps()))
 
     def _remote_steps(self) -> list[int] | None:
         if self.remote_storage is None:
@@ -285,6 +295,7 @@ class CheckpointManager:
             self._pool.release()
             self._acct.close()
             self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
+            self._peers.close()  # every rank is closing: none copies to, fetches or lists this node's server any more
             self._lock.release()  # after the last write: another process may take the directory now
 
     # ------------------------------------------------------------------ the training loop's side (training/loop.py)

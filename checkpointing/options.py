@@ -86,6 +86,15 @@ class ManagerOptions:
         to this size goes up in one request.
     upload_bytes_per_s: pace each rank's uploads to this rate (None: as fast as the link allows).
 
+    Peer copies (each node's steps also committed on other nodes' local tiers; docs/design.md):
+    peer_copies: how many other nodes hold a copy of each node's committed steps (default 0: off).
+        A node is a local tier (the ranks sharing one local_dir); the job needs peer_copies + 1 of
+        them. After a step commits locally, each node's leader copies its files to its peers in the
+        background over a socket of its own (never the training process group); handle.wait() and
+        wait() also wait for those copies. A node whose local directory was lost restores from a
+        peer's copy before the remote tier.
+    peer_bandwidth: pace each node's outgoing copies to this many bytes per second (None: unpaced).
+
     The training loop:
     interval: what `mgr.should_save(step)` answers: None (no schedule: should_save raises), a
         whole number N (every N steps: step % N == 0), or "auto" (Daly's optimum interval from the
@@ -118,6 +127,8 @@ class ManagerOptions:
     mtbf_s: float | None = None
     on_metrics: Callable[[dict[str, Any]], Any] | None = dataclasses.field(default=None, repr=False)
     read_only: bool = False
+    peer_copies: int = 0
+    peer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.read_only, bool):
@@ -159,6 +170,7 @@ class ManagerOptions:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise CheckpointConfigError(f"timeout_s={self.timeout_s!r} is invalid: pass a number of seconds > 0")
         self._check_observability()
+        self._check_peers()
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
@@ -203,6 +215,16 @@ class ManagerOptions:
             raise CheckpointConfigError(
                 f"on_metrics={type(self.on_metrics).__name__} is not callable: pass a function taking one dict (a save's record)"
             )
+
+    def _check_peers(self) -> None:
+        k, rate = self.peer_copies, self.peer_bandwidth
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise CheckpointConfigError(f"peer_copies={k!r} is invalid: pass a whole number >= 0 (0: no peer copies)")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0):
+            raise CheckpointConfigError(f"peer_bandwidth={rate!r} is invalid: pass bytes per second > 0, or None for no limit")
+        if rate is not None and k == 0:
+            raise CheckpointConfigError(f"peer_bandwidth={rate!r} has no effect without peer copies: pass peer_copies >= 1, "
+                                        "or leave peer_bandwidth=None")
 
     def _check_remote(self) -> None:
         from checkpointing.storage.redact import redact_url

@@ -20,9 +20,15 @@ What it does (about 20-40 s on 2 CPU cores):
    with holds the run's metrics.jsonl: `checkpointing report DIR` explains what each save cost, and
    (with --remote none: after the lost node the steps are on the remote tier only) `checkpointing
    ls DIR` lists the steps with their loss. The demo prints the commands to try.
+6. --peers: another scenario instead, two simulated nodes with peer copies. Two processes (gloo on
+   127.0.0.1), each a "node" with its own local directory (DIR/node0, DIR/node1), train and save
+   with CheckpointManager(..., peer_copies=1): every committed step is also committed on the other
+   node's disk. Then node 1's directory is deleted, a fresh job restores (node 1 fetches its step
+   back from node 0's copy, verified, bit for bit), and, with a remote tier, node 1 is lost once
+   more and restores from object storage alone, to compare the two restore times.
 
 Usage:  python examples/demo.py [--dir ./demo-run/ckpt] [--steps 60] [--every 5] [--kill-after 30]
-                                [--remote embedded | s3://bucket/prefix | none] [--quick]
+                                [--remote embedded | s3://bucket/prefix | none] [--quick] [--peers]
 --quick: a tiny model and 12 steps (a few seconds; what the tests run).
 A real bucket: --remote s3://bucket/prefix with credentials in the environment (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or AWS_PROFILE; AWS_ENDPOINT_URL for S3-compatible
@@ -88,8 +94,8 @@ class Teacher:
         return x, torch.tanh(x @ self.w1) @ self.w2
 
 
-def build_state(total_steps: int) -> dict:
-    torch.manual_seed(0)
+def build_state(total_steps: int, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
     model = make_model()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     warmup = 10
@@ -237,7 +243,8 @@ def ms(v: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default="./demo-run/ckpt", help="checkpoint directory (wiped first)")
+    ap.add_argument("--dir", default=None, help="checkpoint directory (wiped first; default ./demo-run/ckpt, with --peers "
+                    "./demo-run/peers holding node0/ and node1/)")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default 60; 12 with --quick)")
     ap.add_argument("--every", type=int, default=None, help="save every N steps (default 5; 3 with --quick)")
     ap.add_argument("--kill-after", type=int, default=None,
@@ -246,8 +253,14 @@ def main() -> None:
                     help="remote tier: 'embedded' (moto S3 on 127.0.0.1, started and stopped here), an s3://bucket/prefix "
                          "URL (credentials from the environment), or 'none'")
     ap.add_argument("--quick", action="store_true", help="a tiny model and 12 steps: the whole flow in a few seconds")
+    ap.add_argument("--peers", action="store_true", help="the two-node scenario with peer copies (a lost node restores from "
+                    "its neighbour's disk) instead of the crash/resume flow")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--peer-child", choices=("train", "peer", "remote"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.dir = args.dir or ("./demo-run/peers" if args.peers or args.peer_child else "./demo-run/ckpt")
     if args.quick:
         use_quick_sizes()
     args.steps = args.steps or (12 if args.quick else 60)
@@ -256,12 +269,14 @@ def main() -> None:
         args.kill_after = max(args.every, (args.steps // 2) // args.every * args.every)
     if args.child:
         return child_main(args)
+    if args.peer_child:
+        return peer_child_main(args)
 
     from rich.console import Console
 
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 112)
     ckpt = Path(args.dir)
-    wipe(ckpt)
+    wipe_nodes(ckpt) if args.peers else wipe(ckpt)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     n_params = sum(p.numel() for p in make_model().parameters())
@@ -271,7 +286,10 @@ def main() -> None:
               f"async save every {args.every} steps into {ckpt} (keep_local={KEEP_LOCAL})")
     server, remote_url = start_remote(args.remote, con)
     try:
-        run_demo(args, con, ckpt, t_start, remote_url)
+        if args.peers:
+            run_peers(args, con, ckpt, remote_url)
+        else:
+            run_demo(args, con, ckpt, t_start, remote_url)
     finally:
         if server is not None:
             server.stop()
@@ -454,6 +472,112 @@ def lost_node(con, ckpt: Path, args: argparse.Namespace, trained: dict) -> None:
         newer = (ckpt / "metrics.jsonl").read_bytes() if (ckpt / "metrics.jsonl").is_file() else b""
         (ckpt / "metrics.jsonl").write_bytes(history + newer)
         con.print(f"  {ckpt / 'metrics.jsonl'}: the run's save history (a log, kept off the node) put back for the report")
+
+
+# ----------------------------------------------------------------------------- --peers: two nodes with peer copies
+def peer_child_main(args: argparse.Namespace) -> None:
+    """One rank (one node) of the two-node job. 'train': train and save with a peer copy on the other node,
+    keep a reference of the last saved state. 'peer' / 'remote': restore (with / without peer copies)."""
+    import logging
+
+    import torch.distributed as dist
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("checkpointing").addHandler(Lines())
+    logging.getLogger("checkpointing").setLevel(logging.INFO)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
+    state = build_state(args.steps, seed=args.rank)  # each node trains its own model (its own shard of the job)
+    base, ref = Path(args.dir), Path(args.dir) / f"ref{args.rank}.pt"
+    peers = 0 if args.peer_child == "remote" else 1
+    with CheckpointManager(base / f"node{args.rank}", snapshot="async", peer_copies=peers, timeout_s=120, **tier_kwargs()) as mgr:
+        if args.peer_child == "train":
+            train(mgr, state, 1, args.steps, args.every, lambda ev: None)
+            if args.steps % args.every:
+                mgr.save(args.steps, state)
+            mgr.wait()  # durable locally, on the peer node (and remotely)
+            torch.save({"model": state["model"].state_dict(), "optim": state["optim"].state_dict()}, ref)
+            print(json.dumps({"ev": "saved", "tiers": {str(k): v for k, v in mgr.tiers().items()}}), flush=True)
+        else:
+            t0 = time.perf_counter()
+            step = mgr.restore(state)
+            seconds = time.perf_counter() - t0
+            saved = torch.load(ref)
+            exact = _same(saved["model"], state["model"].state_dict()) and _same(saved["optim"]["state"], state["optim"].state_dict()["state"])
+            said = [line for line in lines if "restored step" in line or "fetched back" in line]
+            print(json.dumps({"ev": "restored", "step": step, "seconds": seconds, "exact": exact, "log": said}), flush=True)
+    dist.destroy_process_group()
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _peer_job(args: argparse.Namespace, base: Path, phase: str) -> list[dict]:
+    """Run both ranks of the two-node job for `phase`; each rank's JSON event."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, os.path.abspath(__file__), "--peer-child", phase, "--port", str(port), "--dir", str(base),
+           "--steps", str(args.steps), "--every", str(args.every)] + (["--quick"] if args.quick else [])
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    events = []
+    for r, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            sys.exit(f"rank {r} of the {phase} job failed with status {proc.returncode}")
+        events.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+    return events
+
+
+def run_peers(args: argparse.Namespace, con, base: Path, remote_url: str | None) -> None:
+    """Two nodes save with peer copies; node 1's disk is lost; it restores from node 0's copy (and, with a
+    remote tier, once more from object storage alone, for comparison)."""
+    con.print(f"\n[bold]two nodes[/]: ranks 0 and 1 (gloo on 127.0.0.1), local tiers {base}/node0 and {base}/node1, "
+              f"peer_copies=1: each node's committed steps are also committed on the other's disk")
+    saved = _peer_job(args, base, "train")
+    con.print("tiers after training (rank 0's view):")
+    con.print(tier_table({int(k): v for k, v in saved[0]["tiers"].items()}))
+    peers = sorted(p.name for p in (base / "node0" / "peers").iterdir())
+    con.print(f"  {base}/node0/peers/ holds node 1's copy: {peers}")
+    shutil.rmtree(base / "node1")
+    con.print(f"\n[bold]lost node[/]: deleted {base}/node1 (the machine and its disk are gone); a fresh job restores")
+    got = _peer_job(args, base, "peer")
+    for r, ev in enumerate(got):
+        con.print(f"  rank {r}: restored step {ev['step']} in {ev['seconds'] * 1e3:.0f} ms, "
+                  f"{'[green]bit-exact[/]' if ev['exact'] else '[red]DIFFERENT[/]'}")
+        for line in ev["log"]:
+            con.print(f"    [dim]{line}[/]", soft_wrap=True)
+    if not all(ev["exact"] for ev in got):
+        sys.exit("a state restored after the lost node differs from what was saved")
+    if remote_url:
+        shutil.rmtree(base / "node1")
+        con.print(f"\n[bold]lost again, without peer copies[/]: deleted {base}/node1; restore with peer_copies=0 (object storage only)")
+        remote = _peer_job(args, base, "remote")
+        con.print(f"  rank 1: restored step {remote[1]['step']} from the remote tier in {remote[1]['seconds'] * 1e3:.0f} ms, "
+                  f"{'[green]bit-exact[/]' if remote[1]['exact'] else '[red]DIFFERENT[/]'}")
+        ratio = got[1]["seconds"] / remote[1]["seconds"] if remote[1]["seconds"] > 0 else float("nan")
+        con.print(f"  [bold]restore of the lost node from its peer: {got[1]['seconds'] * 1e3:.0f} ms, {ratio:.0%} of the "
+                  f"{remote[1]['seconds'] * 1e3:.0f} ms from object storage[/]")
+
+
+def wipe_nodes(path: Path) -> None:
+    """--peers: remove a previous run's node directories (nothing else)."""
+    if path.exists():
+        names = {e.name for e in path.iterdir()}
+        if not names <= {"node0", "node1", "ref0.pt", "ref1.pt"}:
+            sys.exit(f"refusing to wipe {path}: it holds more than a previous --peers run (node0/, node1/)")
+        shutil.rmtree(path)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ of one job, or one job's restarts, never read each other's keys. Under it:
     preempt/stop                the step the ranks agreed to stop after (preemption)
     preempt/done/<rank>         the rank finished its emergency save
     preempt/left/<rank>         the rank is leaving
+    peer/secret                 rank 0's secret for the job's replica servers (peer copies)
+    peer/addr/<rank>            a node leader's replica server, "host:port"
+    peer/<seq>/<rank>           a node leader's peer copies of save number seq: ok, or the failures
+    peer/<seq>/beat/<rank>      that leader is alive (a counter it bumps while it copies)
+    peer/restore/<n>/<rank>     the replicas a node leader holds, for the manager's n-th restore
+    peer/fetched/<n>/<rank>     that leader fetched back what its node lost (n-th restore)
+    peer/fetch/<n>/beat/<rank>  that leader is alive while it fetches
 
 Every rank of a job runs the same code, yet these formats stay fixed: they are what a reader of a
 store dump sees. A key that names a rank ends with it (`rank_of`).
@@ -129,3 +136,33 @@ def preempt_done(rank: int) -> str:
 
 def preempt_left(rank: int) -> str:
     return f"preempt/left/{rank}"
+
+
+# ---------------------------------------------------------------- peer copies (checkpointing/peer/)
+
+
+PEER_SECRET = "peer/secret"
+
+
+def peer_addr(rank: int) -> str:
+    return f"peer/addr/{rank}"
+
+
+def peer_copied(seq: int, rank: int) -> str:
+    return f"peer/{seq}/{rank}"
+
+
+def peer_beat(seq: int, rank: int) -> str:
+    return f"peer/{seq}/beat/{rank}"
+
+
+def peer_restore(n: int, rank: int) -> str:
+    return f"peer/restore/{n}/{rank}"
+
+
+def peer_fetched(n: int, rank: int) -> str:
+    return f"peer/fetched/{n}/{rank}"
+
+
+def peer_fetch_beat(n: int, rank: int) -> str:
+    return f"peer/fetch/{n}/beat/{rank}"

@@ -82,3 +82,27 @@ def connect(namespace: str, timeout_s: float) -> Store:
         store = clone()
     store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 1)))
     return dist.PrefixStore(namespace, store)
+
+
+def store_host() -> str:
+    """The address this host uses to reach the job's store (a node's replica server binds it): the
+    local end of a route to the store's host, so 127.0.0.1 for a store on loopback; 127.0.0.1 when
+    the store has no host (a FileStore, or no process group)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    host = None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        host = getattr(getattr(store, "_underlying_non_prefix_store", store), "host", None)
+    except (RuntimeError, ValueError, AttributeError):
+        pass
+    host = host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(host), 9))  # no packet is sent: this only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

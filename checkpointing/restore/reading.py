@@ -2,7 +2,7 @@
 
 Each target covers a box of its global tensor (a DTensor its local shard, a plain tensor all of
 it). Every saved shard overlapping the box is read from a copy this rank can reach (its local
-tier, else the remote one): whole chunks, each verified against its digest, straight into the
+tier, else a peer copy on its node's disk, else the remote one): whole chunks, each verified against its digest, straight into the
 target's memory when the box is exactly one saved shard (the usual same-world case), else through
 a buffer of the shard's rows that hold the box (also for a lazy conj/neg view: its raw bytes are
 not its values, so it is filled with copy_).
@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import threading
+from typing import Mapping
 
 import torch
 
@@ -42,42 +43,63 @@ class Sources:
 
     The local tier holds the files the manifest places on its tier (a missing one there is damage,
     reported as such) when it holds the step at all (`local` is None when it does not: pruned, or a
-    replaced node); a remote tier, when it holds the step, holds every primary copy. A shard whose
-    local copy fails verification is read again from the remote tier (see read_box).
+    replaced node); `replicas` (peer copies on this node's disk: tier id -> a storage with the step
+    committed) hold the files the manifest places on those tiers; a remote tier, when it holds the
+    step, holds every primary copy. A shard whose copy fails verification is read again from the
+    next of those that holds it (see read_box).
     """
 
-    def __init__(self, manifest: Manifest, local: Storage | None, tier: str, remote: Storage | None = None, *, where: str = "") -> None:
+    def __init__(self, manifest: Manifest, local: Storage | None, tier: str, remote: Storage | None = None, *, where: str = "",
+                 replicas: Mapping[str, Storage] | None = None) -> None:
         self.tier_of = {f.path: f.tier for f in manifest.files}
         self.rank_of = {f.path: f.rank for f in manifest.files}
         self.step_bytes = manifest.nbytes
         self.local = local
         self.tier = tier
         self.remote = remote
+        self.replicas = dict(replicas or {})
         self.where = where
         self._lock = threading.Lock()
         self.remote_bytes = 0  # bytes read from the remote tier (restore's log line)
+        self.peer_bytes: dict[str, int] = {}  # bytes read from each peer copy, by its location
         self.bytes_read = 0  # bytes of chunks read from any tier (each rank reads only what its targets overlap)
         self.fallbacks: list[str] = []  # local copies that failed verification and were read remotely
 
     def pick(self, shard: ShardEntry) -> tuple[Storage, tuple[ChunkRef, ...]] | None:
+        found = self.candidates(shard)
+        return found[0] if found else None
+
+    def candidates(self, shard: ShardEntry) -> list[tuple[Storage, tuple[ChunkRef, ...]]]:
+        """Where the shard can be read, in order: the local tier, a peer copy, the remote tier."""
+        out: list[tuple[Storage, tuple[ChunkRef, ...]]] = []
         if self.local is not None:
             for copy in shard.copies():
                 if not copy or self.tier_of.get(copy[0].file, "") in ("", self.tier):
-                    return self.local, copy
+                    out.append((self.local, copy))
+                    break
+        for copy in shard.copies() if self.replicas else ():
+            replica = self.replicas.get(self.tier_of.get(copy[0].file, "")) if copy else None
+            if replica is not None:
+                out.append((replica, copy))
+                break
         if self.remote is not None:
-            return self.remote, shard.chunks
-        return None
+            out.append((self.remote, shard.chunks))
+        return out
 
     def count(self, storage: Storage, nbytes: int) -> None:
         with self._lock:
             self.bytes_read += nbytes
             if storage is self.remote:
                 self.remote_bytes += nbytes
+            elif any(storage is r for r in self.replicas.values()):
+                self.peer_bytes[storage.url] = self.peer_bytes.get(storage.url, 0) + nbytes
 
     def summary(self, local_name: str, remote_name: str) -> str:
         """Where the bytes came from, for the restore's log line."""
-        local = self.bytes_read - self.remote_bytes
-        parts = [f"{local / 1e6:.1f} MB from {local_name}"] if local or not self.remote_bytes else []
+        peer = sum(self.peer_bytes.values())
+        local = self.bytes_read - self.remote_bytes - peer
+        parts = [f"{local / 1e6:.1f} MB from {local_name}"] if local or not (self.remote_bytes or peer) else []
+        parts.extend(f"{n / 1e6:.1f} MB from the peer copy {url}" for url, n in sorted(self.peer_bytes.items()))
         if self.remote_bytes:
             parts.append(f"{self.remote_bytes / 1e6:.1f} MB from the remote tier {remote_name}")
         return f"{' and '.join(parts)} (the step holds {self.step_bytes / 1e6:.1f} MB)"
@@ -97,22 +119,24 @@ def read_box(sources: Sources, step: int, read: ReadBox) -> None:
     if math.prod(read.box_shape) == 0:
         return
     for shard in overlapping(read):
-        found = sources.pick(shard)
-        if found is None:
+        found = sources.candidates(shard)
+        if not found:
             raise CheckpointError(
                 f"step {step}, tensor {entry.key!r}: the shard at {list(shard.offsets)} is in {shard.chunks[0].file}, which "
                 f"this rank cannot reach{sources.where}"
             )
-        storage, chunks = found
-        try:
-            _read_shard(storage, step, entry, shard, chunks, read, sources)
-        except CheckpointCorruptError as exc:
-            if storage is sources.remote or sources.remote is None:
-                raise
-            # the local copy is damaged or gone: the remote tier holds the step, read it from there
-            log.warning("checkpointing: %s; reading this shard from the remote tier %s instead", exc, sources.remote.url)
-            sources.fell_back(str(exc))
-            _read_shard(sources.remote, step, entry, shard, shard.chunks, read, sources)
+        for i, (storage, chunks) in enumerate(found):
+            try:
+                _read_shard(storage, step, entry, shard, chunks, read, sources)
+                break
+            except CheckpointCorruptError as exc:
+                if i + 1 == len(found):
+                    raise
+                # this copy is damaged or gone: read the shard from the next that holds it (a peer copy, the remote tier)
+                nxt = found[i + 1][0]
+                what = f"the remote tier {nxt.url}" if nxt is sources.remote else f"the peer copy {nxt.url}"
+                log.warning("checkpointing: %s; reading this shard from %s instead", exc, what)
+                sources.fell_back(str(exc))
 
 
 def _read_shard(storage: Storage, step: int, entry: TensorEntry, shard: ShardEntry, chunks: tuple[ChunkRef, ...], read: ReadBox, sources: Sources) -> None:

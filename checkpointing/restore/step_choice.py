@@ -4,6 +4,9 @@ Candidates are the steps committed on the local tier or on the remote tier, newe
 readable by a rank when every shard it needs is on its local tier (the step committed there, the
 shard's file on this rank's tier), or when the remote tier holds the step (it holds every primary
 copy): a replaced node with an empty local directory reads its part remotely, the others locally.
+With peer copies, the replicas on this rank's node's disk (`replicas`: source tier id -> storage,
+checkpointing/peer/) are candidates too, and a shard whose file lies on such a tier is read from
+the replica when the step is committed there (before the remote tier).
 With several ranks, the ranks then agree on the newest step every rank can read (the coordinator's
 `agree_restore`, checkpointing/dist/types.py).
 """
@@ -46,9 +49,10 @@ def choose_step(
     remote_steps: set[int],
     coord: Coordinator,
     codecs: tuple[Codec, ...],
+    replicas: Mapping[str, Storage] | None = None,
 ) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
     """The step to restore (None: nothing committed) and, per readable step, its plan and sources."""
-    found = _readable_steps(state, step, strict, _Tiers(local, remote, frozenset(remote_steps), coord, codecs))
+    found = _readable_steps(state, step, strict, _Tiers(local, remote, frozenset(remote_steps), coord, codecs, dict(replicas or {})))
     plans, error = found.plans, found.error
     if coord.world_size == 1:
         if error is not None:
@@ -63,7 +67,27 @@ def choose_step(
         if error is not None:
             raise error from None
         raise
+    if replicas and step is None and chosen is not None:
+        _log_skipped(coord.rank, chosen, plans, found.notes)
     return chosen, plans
+
+
+def _log_skipped(rank: int, chosen: int, plans: dict[int, Any], notes: list[str]) -> None:
+    """With peer copies: say why newer committed steps are not restored (a step whose only copies were on a lost node)."""
+    mine = [n for n in notes if _newer(n, chosen)]
+    newer = sorted(s for s in plans if s > chosen)
+    if mine:
+        log.warning("checkpointing: rank %d restores step %d; newer steps are skipped: %s", rank, chosen, "; ".join(mine))
+    elif newer:
+        log.warning("checkpointing: rank %d restores step %d, not %s, which it could read: another rank cannot (see its log)",
+                    rank, chosen, ", ".join(map(str, newer)))
+
+
+def _newer(note: str, chosen: int) -> bool:
+    """The note is about a step newer than `chosen` (it names "step N" first)."""
+    words = note.replace(":", " ").split()
+    return any(w == "step" and i + 1 < len(words) and words[i + 1].isdigit() and int(words[i + 1]) > chosen
+               for i, w in enumerate(words))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +99,7 @@ class _Tiers:
     remote_steps: frozenset[int]
     coord: Coordinator
     codecs: tuple[Codec, ...]
+    replicas: dict[str, Storage] = dataclasses.field(default_factory=dict)  # peer copies on this node's disk, by source tier
 
 
 def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | Selection, tiers: _Tiers) -> _Readable:
@@ -82,16 +107,19 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
     local, remote, remote_steps, coord, codecs = tiers.local, tiers.remote, tiers.remote_steps, tiers.coord, tiers.codecs
     rank, world_size = coord.rank, coord.world_size
     local_steps = set(catalog.list_steps(local).committed)
-    committed = local_steps | remote_steps
+    replica_steps = {t: set(catalog.list_steps(r).committed) for t, r in tiers.replicas.items()}
+    committed = local_steps | remote_steps | set().union(*replica_steps.values())
     candidates = [step] if step is not None else sorted(committed, reverse=True)
-    where = f"its local tier {local.url}" + (f" or the remote tier {remote.url}" if remote is not None else "")
+    peers = " or a peer copy on its node" if tiers.replicas else ""
+    where = f"its local tier {local.url}{peers}" + (f" or the remote tier {remote.url}" if remote is not None else "")
     found = _Readable(notes=[] if committed else [f"{where} holds no committed step"])
     for s in candidates:
         if s not in committed:
             found.notes.append(f"step {s} is not committed in {where}")
             continue
+        copies = {t: r for t, r in tiers.replicas.items() if s in replica_steps[t]}  # peer copies holding step s
         try:
-            manifest = _load_manifest(local if s in local_steps else None, remote if s in remote_steps else None, s)
+            manifest = _load_manifest(local if s in local_steps else None, remote if s in remote_steps else None, s, list(copies.values()))
             plan = plan_restore(state, manifest, rank=rank, world_size=world_size, codecs=codecs, select=strict)
         except CheckpointCorruptError as exc:
             if step is not None or world_size == 1:
@@ -105,10 +133,15 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
             break
         remote_note = "no remote tier is configured" if remote is None else f"the remote tier {remote.url} does not hold step {s}"
         sources = Sources(manifest, local if s in local_steps else None, coord.tiers[rank],
-                          remote=remote if s in remote_steps else None, where=f" (its local tier is {local.url}; {remote_note})")
+                          remote=remote if s in remote_steps else None, where=f" (its local tier is {local.url}; {remote_note})",
+                          replicas=copies)
         missing = plan.missing(sources)
         if missing:
-            found.notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {local.url} does not hold, e.g. {missing[0]}")
+            if tiers.replicas:
+                found.notes.append(f"for step {s} it needs {len(missing)} shard(s) that neither its local tier {local.url} nor a "
+                                   f"committed peer copy on its node holds (their only copies are, or were, on another node), e.g. {missing[0]}")
+            else:
+                found.notes.append(f"for step {s} it needs {len(missing)} shard(s) its local tier {local.url} does not hold, e.g. {missing[0]}")
             continue
         found.plans[s] = (plan, sources)
         if world_size == 1 and step is None:
@@ -116,14 +149,17 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
     return found
 
 
-def _load_manifest(local: Storage | None, remote: Storage | None, step: int) -> Manifest:
-    """The step's manifest from the local tier, else (or when the local copy is damaged) from the remote tier."""
-    if local is not None:
+def _load_manifest(local: Storage | None, remote: Storage | None, step: int, copies: list[Storage] | None = None) -> Manifest:
+    """The step's manifest from the local tier, else (or when the local copy is damaged) from a peer
+    copy on this node's disk, else from the remote tier."""
+    order = ([local] if local is not None else []) + list(copies or ()) + ([remote] if remote is not None else [])
+    for i, storage in enumerate(order):
         try:
-            return catalog.load_manifest(local, step)
+            return catalog.load_manifest(storage, step)
         except CheckpointCorruptError as exc:
-            if remote is None:
+            if i + 1 == len(order):
                 raise
-            log.warning("checkpointing: %s; reading the manifest of step %d from the remote tier %s instead", exc, step, remote.url)
-    assert remote is not None
-    return catalog.load_manifest(remote, step)
+            nxt = order[i + 1]
+            what = f"the remote tier {nxt.url}" if nxt is remote else f"the peer copy {nxt.url}"
+            log.warning("checkpointing: %s; reading the manifest of step %d from %s instead", exc, step, what)
+    raise CheckpointNotFoundError(f"step {step} is committed on no tier this rank reads")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from checkpointing.errors import CheckpointSaveError, CheckpointTimeoutError
 from checkpointing.observe.metrics import SaveStats
@@ -23,18 +23,32 @@ from checkpointing.save.job import SaveJob, Stall
 log = logging.getLogger("checkpointing")
 
 
-class SaveHandle:
-    """A save in flight. `wait()` returns its SaveStats once committed, or raises its error."""
+class Copies(Protocol):
+    """The save's copies on other nodes (peer_copies: checkpointing/peer/types.PeerJob): `done` once
+    they are committed or failed, then `error`, raised once."""
 
-    def __init__(self, job: SaveJob, *, stall: Stall) -> None:
+    done: threading.Event
+    error: BaseException | None
+    error_reported: bool
+
+    def raise_error(self) -> None: ...
+
+
+class SaveHandle:
+    """A save in flight. `wait()` returns its SaveStats once committed, or raises its error.
+    `peer`: its peer copies (None without peer_copies), which wait() waits for too."""
+
+    def __init__(self, job: SaveJob, *, stall: Stall, peer: Copies | None = None) -> None:
         self._job = job
         self._stall = stall
         self.step = job.step
+        self.peer = peer
 
     def done(self) -> bool:
         """Durable on every configured tier (or failed)."""
         upload = self._job.upload
-        return self._job.outcome.done.is_set() and (upload is None or upload.done.is_set())
+        return (self._job.outcome.done.is_set() and (upload is None or upload.done.is_set())
+                and (self.peer is None or self.peer.done.is_set()))
 
     def local_done(self) -> bool:
         """Committed on the local tier (or failed); with a remote tier the upload may still run."""
@@ -50,6 +64,8 @@ class SaveHandle:
         self._job.raise_error()
         if self._job.upload is not None:
             self._job.upload.raise_error()
+        if self.peer is not None:
+            self.peer.raise_error()
         return self._job_stats()
 
     def result(self, timeout: float | None = None) -> SaveStats:
@@ -94,6 +110,11 @@ class SaveHandle:
             if not upload.done.wait(left):
                 raise CheckpointTimeoutError(f"step {self.step} is committed locally but not yet on the remote tier after "
                                              f"{timeout} s; call wait() again or raise the timeout")
+        if self.peer is not None and not self._job.outcome.error:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.peer.done.wait(left):
+                raise CheckpointTimeoutError(f"step {self.step} is committed locally but not yet on its peers after {timeout} s; "
+                                             "call wait() again or raise the timeout")
 
     def _failure(self) -> BaseException | None:
         """The finished save's error (or its upload's), marked reported; None when it succeeded."""
@@ -108,6 +129,9 @@ class SaveHandle:
         if upload is not None and upload.error is not None:
             upload.error_reported = True
             return upload.error
+        if self.peer is not None and self.peer.error is not None:
+            self.peer.error_reported = True
+            return self.peer.error
         return None
 
     def _call_when_done(self, fn: Callable[["SaveHandle"], object]) -> None:

@@ -2,7 +2,8 @@
 
 `SaveWorker` is the ckpt-io thread. Per save: write this rank's part (writer.run_save), commit
 through the coordinator, remove the pin, local retention, then either hand the step to the
-uploader (with a remote tier) or record its stats (records.py), and last re-verify a share of the
+uploader (with a remote tier) or record its stats (records.py) (and with peer copies, hand the step to
+`after_local`: checkpointing/peer/), and last re-verify a share of the
 chunks the step borrows (save/scrub.py), while no save waits. `AfterUpload` runs on the
 ckpt-upload thread (uploader.py) after each upload: record the stats (metrics.jsonl, log line),
 then local retention again (the step may now be pruned locally). `LocalRetention` is keep_local on
@@ -22,7 +23,7 @@ from checkpointing.save.serial import SerialThread
 from checkpointing.dist.types import Coordinator
 from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
-from checkpointing.format.manifest import ChunkRef
+from checkpointing.format.manifest import ChunkRef, Manifest
 from checkpointing.plan import scrub
 from checkpointing.plan.retention import RetentionPolicy
 from checkpointing.plan.reuse import ReuseBase, base_after_restore, base_after_save
@@ -45,9 +46,9 @@ class LocalRetention:
     on the ckpt-upload thread after an upload, one at a time."""
 
     def __init__(self, storage: LocalStorage, keep: RetentionPolicy | None, *, enabled: bool, in_flight: Callable[[], set[int]],
-                 pending: PendingUploads | None) -> None:
+                 pending: PendingUploads | None, held: Callable[[], set[int]] | None = None) -> None:
         self._storage, self._keep, self._enabled = storage, keep, enabled
-        self._in_flight, self._pending = in_flight, pending
+        self._in_flight, self._pending, self._held = in_flight, pending, held  # held: steps being copied to peers
         self._lock = threading.Lock()
 
     def after_commit(self, newest: int) -> None:
@@ -64,6 +65,8 @@ class LocalRetention:
 
     def _apply(self, newest: int) -> None:
         pending = self._pending.steps() if self._pending is not None else set()
+        if self._held is not None:
+            pending |= self._held()
         in_flight = self._in_flight()
         try:
             with self._lock:
@@ -97,8 +100,10 @@ class SaveWorker:
     def __init__(self, storage: LocalStorage, pool: StagingPool, coord: Coordinator, *,
                  write_block: int, incremental: bool, records: SaveRecords, retention: LocalRetention,
                  uploader: Uploader | None, reverify_every: int | None = scrub.DEFAULT_EVERY,
-                 reverify_bytes_per_s: float = scrub.DEFAULT_BYTES_PER_S) -> None:
+                 reverify_bytes_per_s: float = scrub.DEFAULT_BYTES_PER_S,
+                 after_local: Callable[[int, int, Manifest | None], None] | None = None) -> None:
         self._storage, self._pool, self._coord = storage, pool, coord
+        self._after_local = after_local  # (seq, step, committed manifest or None): peer copies (checkpointing/peer/)
         self._write_block, self._incremental = write_block, incremental
         self._records, self._retention, self._uploader = records, retention, uploader
         self._base: ReuseBase | None = None
@@ -166,6 +171,8 @@ class SaveWorker:
         job.staging.release()
         if outcome.error is None:
             self._retention.after_commit(job.step)
+        if self._after_local is not None:
+            self._after_local(job.seq, job.step, outcome.manifest if outcome.error is None else None)
         self._hand_on(job)
         if outcome.error is None and outcome.written is not None:
             try:
