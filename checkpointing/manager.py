@@ -199,9 +199,12 @@ class CheckpointManager:
         self._peers.delete(step)  # and the copies this node holds of other nodes' step
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save is durable on every configured tier; raise the error of a failed one (once)."""
+        """Block until every save is durable on every configured tier, and the files of the steps local
+        retention retired are removed; raise the error of a failed save (once). (A handle's wait() returns
+        once its step is durable: the retired steps are unlisted then, their files may still be going.)"""
         self._inflight.wait(timeout)
         self._peers.wait(timeout)
+        self._worker.settle(timeout)  # and the files of the steps retention retired are removed
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot no longer reads live tensors.

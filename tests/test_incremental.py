@@ -434,7 +434,8 @@ def test_incremental_false_reuses_nothing(tmp_path):
             assert stats.bytes_reused == 0 and stats.chunks_reused == 0, stats
             assert stats.bytes_written >= stats.bytes_total
             assert all(f.startswith(own_dir(step)) for f in data_files(mgr.storage, step))
-        assert committed(mgr.storage) == [3, 4]
+        assert committed(mgr.storage) == [3, 4]  # retired steps are unlisted when h.wait() returns
+        mgr.wait()  # and their files are gone when mgr.wait() returns
         assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == [step_dir_name(3), step_dir_name(4)]
         for s in (3, 4):
             restore_and_check(mgr, s, snaps)
@@ -525,7 +526,9 @@ def test_keep_local_1_keeps_the_referenced_pack_until_nothing_uses_it(tmp_path, 
     def save(mgr, step):
         h = mgr.save(step, state_of(net, opt, step))
         snaps[step] = snapshot(net, opt, step)
-        return h.wait()
+        stats = h.wait()
+        mgr.wait()  # h.wait() returns once the step is durable; mgr.wait() also once retention removed files
+        return stats
 
     def entries(step):
         return sorted(n.name for n in (ck / step_dir_name(step)).iterdir()) if (ck / step_dir_name(step)).exists() else None

@@ -52,6 +52,7 @@ class StepDeleter:
     def delete(self, step: int, *, allow_latest: bool = False) -> None:
         naming.check_step(step)
         self._inflight.settle()
+        self._worker.settle()  # local retention's files of retired steps are gone: one collector at a time
         n, self._calls = self._calls, self._calls + 1
         found, refused = self._check(step, allow_latest)
         self._meet(f"delete({step}) #{n}: a collective call, every rank calls delete() with the same step", refused)

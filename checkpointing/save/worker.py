@@ -1,10 +1,11 @@
 """What runs on the background threads after save() returns: each save, and what follows each upload (orchestration).
 
 `SaveWorker` is the ckpt-io thread. Per save: write this rank's part (writer.run_save), commit
-through the coordinator, remove the pin, local retention, then either hand the step to the
-uploader (with a remote tier) or record its stats (records.py) (and with peer copies, hand the step to
-`after_local`: checkpointing/peer/), and last re-verify a share of the
-chunks the step borrows (save/scrub.py), while no save waits. `AfterUpload` runs on the
+through the coordinator, remove the pin, local retention (the retired steps' COMMIT markers), then
+either hand the step to the uploader (with a remote tier) or record its stats (records.py) (and
+with peer copies, hand the step to `after_local`: checkpointing/peer/), which releases the save's
+waiters; then the retired steps' files go (mgr.wait() and delete() wait for that), and last a share
+of the chunks the step borrows is re-verified (save/scrub.py), while no save waits. `AfterUpload` runs on the
 ckpt-upload thread (uploader.py) after each upload: record the stats (metrics.jsonl, log line),
 then local retention again (the step may now be pruned locally). `LocalRetention` is keep_local on
 this rank's local tier, for both. None of them ever raises: errors are kept on the jobs and raised
@@ -50,11 +51,31 @@ class LocalRetention:
         self._storage, self._keep, self._enabled = storage, keep, enabled
         self._in_flight, self._pending, self._held = in_flight, pending, held  # held: steps being copied to peers
         self._lock = threading.Lock()
+        self._collected = threading.Event()  # clear from a retirement until its files are removed
+        self._collected.set()
 
     def after_commit(self, newest: int) -> None:
-        """`newest` was just committed here."""
+        """`newest` was just committed here: retire the steps keep_local does not keep (their COMMIT
+        markers go, so no listing sees them); `collect()` removes their files after the save's
+        waiters are released (unlinking a large file takes a good part of a second on some disks)."""
         if self._enabled:
-            self._apply(newest)
+            self._apply(newest, files=False)
+
+    def collect(self) -> None:
+        """Remove the files of the steps after_commit retired."""
+        if self._collected.is_set():
+            return
+        try:
+            with self._lock:
+                collect.collect_retired(self._storage, in_flight=self._in_flight())
+        except Exception as exc:  # retried after the next commit; never stop the thread
+            log.warning("checkpointing: removing retired steps' files failed: %s", exc)
+        finally:
+            self._collected.set()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until the files of every retired step are removed (mgr.wait(), delete()); False on timeout."""
+        return self._collected.wait(timeout)
 
     def after_upload(self) -> None:
         """An upload finished: its step may go now (if keep_local does not keep it)."""
@@ -63,14 +84,17 @@ class LocalRetention:
             if newest:
                 self._apply(newest[-1])
 
-    def _apply(self, newest: int) -> None:
+    def _apply(self, newest: int, *, files: bool = True) -> None:
         pending = self._pending.steps() if self._pending is not None else set()
         if self._held is not None:
             pending |= self._held()
         in_flight = self._in_flight()
         try:
             with self._lock:
-                collect.apply_retention(self._storage, self._keep, protect={newest} | pending, in_flight=in_flight)
+                if files:
+                    collect.apply_retention(self._storage, self._keep, protect={newest} | pending, in_flight=in_flight)
+                elif collect.retire_by_policy(self._storage, self._keep, protect={newest} | pending):
+                    self._collected.clear()
         except Exception as exc:  # retention is retried after the next commit; never stop the thread
             log.warning("checkpointing: retention after step %d failed: %s", newest, exc)
 
@@ -148,6 +172,10 @@ class SaveWorker:
             return
         self._base = base_after_restore(manifest, digest, self._coord.rank, self._coord.tiers[self._coord.rank])
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until local retention removed the files of the steps it retired; False on timeout."""
+        return self._retention.settle(timeout)
+
     def close(self) -> None:
         """Stop the thread once the saves submitted so far have run."""
         self._thread.close()
@@ -174,6 +202,7 @@ class SaveWorker:
         if self._after_local is not None:
             self._after_local(job.seq, job.step, outcome.manifest if outcome.error is None else None)
         self._hand_on(job)
+        self._retention.collect()  # the waiters are released: now the retired steps' files
         if outcome.error is None and outcome.written is not None:
             try:
                 self._scrub.after_commit(job.step, _borrowed(outcome.written.refs, naming.pack_name(job.step, self._coord.rank, job.token)))

@@ -259,24 +259,46 @@ def apply_retention(storage: Storage, keep: int | RetentionPolicy | None, *, pro
     leave an OSError to the caller; without it a failed read or delete is logged and retried next time.
     `where`: the tier as the log names it (default "in <url>").
     """
+    doomed = retire_by_policy(storage, keep, protect=protect, sweep=sweep, where=where)
+    if doomed or sweep:
+        collect_retired(storage, in_flight=in_flight, sweep=sweep, where=where)
+    return doomed
+
+
+def retire_by_policy(storage: Storage, keep: int | RetentionPolicy | None, *, protect: int | Collection[int] | None = None,
+                     sweep: bool = False, where: str | None = None) -> list[int]:
+    """apply_retention's first half, quick: remove the COMMIT markers of the steps the retention does
+    not keep (from then on no listing, restore or save sees them) and return those steps; their
+    files stay until `collect_retired` (a large file's unlink can take a good part of a second)."""
     policy = as_policy(keep)
-    doomed: list[int] = []
+    if policy is None:
+        return []
     try:
-        if policy is not None:
-            committed = catalog.list_steps(storage).committed
-            infos = catalog.step_infos(storage, committed, metrics=bool(policy.metric_names))
-            doomed = steps_to_delete(infos, policy, protect=protect)
-        if not doomed and not sweep:
-            return []
-        result = collect(storage, retire=doomed, protect=in_flight, scan_committed=False)
+        committed = catalog.list_steps(storage).committed
+        infos = catalog.step_infos(storage, committed, metrics=bool(policy.metric_names))
+        doomed = steps_to_delete(infos, policy, protect=protect)
+        _retire(storage, doomed, dry_run=False)
     except OSError as exc:  # one failed delete must not stop training; retried after the next save
         if sweep:
             raise
-        log.warning("checkpointing: could not delete steps %s from %s: %s", doomed or "(none chosen yet)", storage.url, exc)
+        log.warning("checkpointing: could not delete steps from %s: %s", where or storage.url, exc)
         return []
+    return doomed
+
+
+def collect_retired(storage: Storage, *, in_flight: Collection[int] = (), sweep: bool = False, where: str | None = None) -> None:
+    """apply_retention's second half: remove the files of retired (and other uncommitted) steps that
+    no committed step, pin or save in flight (`in_flight`) needs."""
+    try:
+        result = collect(storage, protect=in_flight, scan_committed=False)
+    except OSError as exc:
+        if sweep:
+            raise
+        log.warning("checkpointing: could not remove retired steps' files from %s (the next retention or "
+                    "`checkpointing gc` removes them): %s", where or storage.url, exc)
+        return
     for p in result.problems:
         log.warning("checkpointing: retention %s kept every data file: %s", where or f"in {storage.url}", p)
-    return doomed
 
 
 def delete_step(storage: Storage, step: int) -> None:
