@@ -348,11 +348,127 @@ def _writer_child_main(shm_path: str, size: int) -> None:
         print(json.dumps(times), flush=True)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--writer-child":
-        _writer_child_main(sys.argv[2], int(sys.argv[3]))
-    else:
-        sys.exit("usage: _common.py --writer-child SHM_PATH SIZE")
+# ---------------------------------------------------------------------------------------------
+# per-thread accounting from /proc (the cost harness, bench_cost.py)
+# ---------------------------------------------------------------------------------------------
+
+# one task's counters, all cumulative since the task started:
+#   cpu_s: on-CPU time (schedstat, ns precision), wait_s: time runnable but waiting for a CPU
+#   (run-queue delay), slices: times scheduled in, user_s / sys_s (stat, clock ticks),
+#   minflt / majflt, vcsw / ivcsw (voluntary / involuntary context switches), wchar / rchar
+#   (bytes passed to write/read syscalls), wbytes (bytes this task caused to be sent to storage)
+TASK_FIELDS = ("cpu_s", "wait_s", "slices", "user_s", "sys_s", "minflt", "majflt", "vcsw", "ivcsw",
+               "wchar", "rchar", "wbytes")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def read_task(task_dir: str) -> dict | None:
+    """Counters (TASK_FIELDS) of one task (/proc/PID/task/TID), or None if it is gone."""
+    stat = _read(task_dir + "/stat")
+    sched = _read(task_dir + "/schedstat")
+    if stat is None or sched is None:
+        return None
+    f = stat.rsplit(")", 1)[1].split()
+    run_ns, wait_ns, slices = (int(x) for x in sched.split()[:3])
+    out = {"cpu_s": run_ns / 1e9, "wait_s": wait_ns / 1e9, "slices": slices,
+           "user_s": int(f[11]) / _TCK, "sys_s": int(f[12]) / _TCK,
+           "minflt": int(f[7]), "majflt": int(f[9]), "vcsw": 0, "ivcsw": 0, "wchar": 0, "rchar": 0, "wbytes": 0}
+    status = _read(task_dir + "/status") or ""
+    for line in status.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            out["vcsw"] = int(line.split()[1])
+        elif line.startswith("nonvoluntary_ctxt_switches:"):
+            out["ivcsw"] = int(line.split()[1])
+    io = _read(task_dir + "/io") or ""
+    for line in io.splitlines():
+        k, _, v = line.partition(":")
+        if k == "wchar":
+            out["wchar"] = int(v)
+        elif k == "rchar":
+            out["rchar"] = int(v)
+        elif k == "write_bytes":
+            out["wbytes"] = int(v)
+    return out
+
+
+def task_comm(pid: int, tid: int) -> str:
+    return (_read(f"/proc/{pid}/task/{tid}/comm") or "?").strip()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...), from a scan of /proc."""
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        stat = _read(f"/proc/{name}/stat")
+        if stat is not None:
+            parent[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out.extend(kids)
+        frontier.extend(kids)
+    return out
+
+
+def machine_cpu() -> dict:
+    """The machine's CPU-seconds since boot: busy (user+nice+system+irq+softirq) and steal
+    (time the hypervisor ran something else while a vCPU wanted to run)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return {"busy_s": (v[0] + v[1] + v[2] + v[5] + v[6]) / _TCK, "steal_s": v[7] / _TCK,
+            "iowait_s": v[4] / _TCK}
+
+
+class TaskSampler:
+    """Samples the counters of every thread of this process and of its descendant processes (summed
+    per process), and the machine's CPU, so that deltas between two samples say who used the CPU,
+    who waited for one, who faulted and who wrote, per thread. A sample costs ~0.1 ms per thread.
+    Descendants are found again only on `refresh_children()` (a scan of /proc, a few ms)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.children: list[int] = []
+
+    def refresh_children(self) -> None:
+        self.children = descendants(self.pid)
+
+    def sample(self) -> dict:
+        tasks = {}
+        base = f"/proc/{self.pid}/task"
+        for name in os.listdir(base):
+            c = read_task(f"{base}/{name}")
+            if c is not None:
+                tasks[int(name)] = c
+        kids = {}
+        for pid in self.children:
+            tot = None
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for name in tids:
+                c = read_task(f"/proc/{pid}/task/{name}")
+                if c is None:
+                    continue
+                tot = c if tot is None else {k: tot[k] + c[k] for k in TASK_FIELDS}
+            if tot is not None:
+                kids[pid] = tot
+        return {"t": now(), "machine": machine_cpu(), "tasks": tasks, "children": kids}
+
+
+def task_delta(a: dict | None, b: dict) -> dict:
+    """b - a per counter (a None: the task started after sample a, so b is its delta)."""
+    return dict(b) if a is None else {k: b[k] - a[k] for k in TASK_FIELDS}
 
 
 def write_results(res: dict, md: str, json_path: str, md_path: str | None) -> None:
@@ -364,3 +480,10 @@ def write_results(res: dict, md: str, json_path: str, md_path: str | None) -> No
         with open(md_path, "w") as f:
             f.write(md + "\n")
     print(md)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--writer-child":
+        _writer_child_main(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit("usage: _common.py --writer-child SHM_PATH SIZE")
