@@ -2,18 +2,20 @@
 
 Three ways to the file, by the plan:
 - *Pipelined* (no staging budget: the pool holds the whole pack image). Once the eager chunks are
-  staged (save() may return then), `opened` pins the step and opens the pack; from then on every
-  chunk is digested as soon as it is copied, and a chunk this rank surely writes (its bytes
-  changed, or there is nothing to take it from) and that may be the step's primary copy (regions
-  UNIQUE and PRIMARY, which come first in the pack as in the file: the file's prefix the remote
-  tier holds) is handed to the write-behind thread (behind.py) in batches of page-aligned spans of
-  at least `write_block` bytes, while the later chunks are still being copied. What waits for the
-  end (write_chunks, on this thread): the last batch, not full (a state smaller than one batch is
-  written as without pipelining, byte for byte), the chunks whose bytes did not change
+  staged (save() may return then), `opened` pins the step and opens the pack; from then on each
+  chunk this rank surely writes, as known when it is copied (its bytes changed, or there is
+  nothing to take it from), that may be the step's primary copy (regions UNIQUE and PRIMARY, which
+  come first in the pack as in the file: the prefix the remote tier holds) and that was copied
+  from CPU memory, is handed to the write-behind thread (behind.py) in batches of page-aligned
+  spans of at least `write_block` bytes, while the later chunks are still being copied. The
+  chunks are digested after all are staged (the guard before optimizer.step() waits for the
+  copies only), while the write-behind thread writes. What waits for the end (write_chunks, on
+  this thread): the last batch, not full (a state smaller than one batch is written as without
+  pipelining, byte for byte), the chunks whose bytes did not change or were not compared
   (reuse.choose_borrowed decides per file whether to take them from the base or write them
-  again), the local tier's copies of replicated chunks (regions TIER, and OTHER, which a
-  local-tier peer may write instead), and a chunk whose page-aligned span would run past the
-  pool's end (only the stream's very last write may be short). A page shared by chunks of two
+  again), CUDA chunks, the local tier's copies of replicated chunks (regions TIER, and OTHER,
+  which a local-tier peer may write instead), and a chunk whose page-aligned span would run past
+  the pool's end (only the stream's very last write may be short). A page shared by chunks of two
   batches is written with each (at most a page per batch: padding, never referenced).
 - *Ring* (a budget smaller than the pack): staging writes out what it staged, front to back, before
   reusing room; the pack is the image itself, with no reuse.
@@ -119,21 +121,27 @@ class PackWriter:
                 if opened is not None:
                     opened()
                     for k in plan.stage_order[:eager]:
-                        self._staged(k)
+                        self._staged(k, compare)
             elif opened is not None and n >= eager:
-                self._staged(i)
+                self._staged(i, compare)
         if watched:
             self.pool.watch.completed()
         staging.staged_event = self.copier.last_event()
         staging.t_staged = time.perf_counter()
         staging.staged.set()
 
-    def _staged(self, i: int) -> None:
-        """Pipelined: chunk i is in the pool; digest it, and queue it when this rank surely writes it."""
-        self._digest(i)
+    def _staged(self, i: int, compare: bool) -> None:
+        """Pipelined: chunk i is in the pool; queue it for the write-behind thread when this rank
+        surely writes it, as known at copy time. Left for the end (write_chunks): a chunk of a
+        region after PRIMARY (the file keeps the pack's region order), one copied from a CUDA
+        tensor (its copy may still be in flight), and one the base may provide (unchanged, or not
+        compared: then its digest decides). No digest here: the guard before optimizer.step()
+        waits only for the copies; the chunks are digested once all are staged."""
         p = self.plan.placements[i]
-        if self.inputs.regions[p.leaf] > PRIMARY or (self.same[i] and self.borrowable):
-            return  # decided at the end (_write, write_chunks): the file keeps the pack's region order
+        if self.inputs.regions[p.leaf] > PRIMARY or self.copier.sources[p.leaf].is_cuda:
+            return
+        if self.borrowable and (self.same[i] or not compare):
+            return
         self._pending.append(i)
         self._pending_bytes += p.length
         if self._pending_bytes >= self.write_block:
