@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -28,6 +30,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(n: int, script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run` with n processes on 127.0.0.1. free_port() only finds a port
+    that was free a moment ago: when the launcher's store cannot listen there (EADDRINUSE: another
+    socket took it meanwhile, before any rank started), launch again on another port, twice at most."""
+    for attempt in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or attempt == 2:
+            return proc
+    raise AssertionError("unreachable")
 
 
 def _child(rank: int, world: int, port: int, worker: Callable, args: tuple, out: str) -> None:

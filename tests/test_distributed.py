@@ -123,19 +123,13 @@ def _manifest(directory: str, step: int) -> dict:
 
 def test_torchrun_example_trains_resumes_and_reshards(tmp_path):
     """examples/train_fsdp.py as users launch it: torchrun, 2 ranks, then a resume on 1 rank."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "examples" / "train_fsdp.py"
     ck = tmp_path / "ck"
 
     def torchrun(n: int, steps: int) -> str:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
-               "--master-addr", "127.0.0.1", "--master-port", str(_dist.free_port()),
-               str(script), "--dir", str(ck), "--steps", str(steps), "--every", "5"]
-        env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        proc = _dist.torchrun(n, str(script), "--dir", str(ck), "--steps", str(steps), "--every", "5")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 

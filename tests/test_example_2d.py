@@ -6,10 +6,7 @@ world size. Real processes on gloo on 127.0.0.1; two launches (torchrun start-up
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +17,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_2d.py"
 
 
 def _torchrun(n: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
-           "--master-addr", "127.0.0.1", "--master-port", str(_dist.free_port()), str(SCRIPT), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = _dist.torchrun(n, str(SCRIPT), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

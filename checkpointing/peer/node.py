@@ -110,6 +110,7 @@ class Peers:
 
     def __init__(self, options: ManagerOptions, local: LocalStorage, coord: Coordinator, leaders: list[int]) -> None:
         self._options, self._local, self._coord = options, local, coord
+        self._deletes = 0  # delete() calls so far: each one's barrier has a name of its own
         tier = coord.tiers[coord.rank]
         layout = {leader: [r for r in range(coord.world_size) if coord.tiers[r] == coord.tiers[leader]] for leader in leaders}
         ranks = [r for r in range(coord.world_size) if coord.tiers[r] == tier]
@@ -184,10 +185,17 @@ class Peers:
             self._copier.settle()
 
     def delete(self, step: int) -> None:
-        """mgr.delete(step), after the tiers' part: the step off the replicas this node holds (its leader)."""
-        if self.node.is_leader and not self._options.read_only:
-            for url in self.area.delete_step(step):
-                log.info("checkpointing: rank %d: deleted step %d from the peer copy %s", self.node.rank, step, url)
+        """mgr.delete(step), after the tiers' part: the step off the replicas this node holds (its leader),
+        then a barrier, so that when delete() returns no node lists a copy of the step any more."""
+        n, self._deletes = self._deletes, self._deletes + 1
+        error = None
+        try:
+            if self.node.is_leader and not self._options.read_only:
+                for url in self.area.delete_step(step):
+                    log.info("checkpointing: rank %d: deleted step %d from the peer copy %s", self.node.rank, step, url)
+        except (CheckpointError, OSError) as exc:
+            error = f"rank {self.node.rank}: could not delete step {step} from the peer copies it holds: {exc}"
+        self._coord.barrier(f"peer-delete-{n}", error)
 
     # ------------------------------------------------------------ restore and listing
 
