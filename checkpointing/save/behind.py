@@ -16,6 +16,14 @@ from checkpointing.save.serial import SerialThread
 from checkpointing.storage import StreamWriter
 
 
+def write_range(stream: StreamWriter, view: memoryview, start: int, end: int, block: int) -> None:
+    """Write pool bytes [start, end) of `view` to `stream` in pieces of at most `block` bytes."""
+    while start < end:
+        n = min(end - start, block)
+        stream.write(view[start : start + n])
+        start += n
+
+
 class WriteBehind:
     """Writes ranges of `view` to `stream` on a background thread, in the order they are put."""
 
@@ -45,11 +53,7 @@ class WriteBehind:
     def _write(self, span: tuple[int, int]) -> None:
         if self._error is not None or self._dropped:
             return
-        start, end = span
         try:
-            while start < end:
-                n = min(end - start, self._block)
-                self._stream.write(self._view[start : start + n])
-                start += n
+            write_range(self._stream, self._view, *span, self._block)
         except BaseException as exc:  # kept for finish(): a SerialThread's handler must not raise
             self._error = exc

@@ -33,7 +33,7 @@ from checkpointing.format.manifest import ChunkRef, chunk_digest
 from checkpointing.plan.assign import PRIMARY
 from checkpointing.plan.pack import round_up, write_spans
 from checkpointing.plan.reuse import Match, choose_borrowed
-from checkpointing.save.behind import WriteBehind
+from checkpointing.save.behind import WriteBehind, write_range
 from checkpointing.save.job import SaveInputs, Staging
 from checkpointing.save.staging import Copier, StagingPool
 from checkpointing.save.writewatch import written_pieces
@@ -245,10 +245,7 @@ class PackWriter:
             self.file_bytes += end - start
 
     def _write_now(self, start: int, end: int) -> None:
-        while start < end:
-            n = min(end - start, self.write_block)
-            self.stream.write(self.pool.view[start : start + n])
-            start += n
+        write_range(self.stream, self.pool.view, start, end, self.write_block)
 
     def ref(self, i: int, pack_path: str) -> ChunkRef | None:
         """Where placement i is stored by this save (None: a peer stores it)."""
