@@ -270,8 +270,9 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def stats(self) -> list[SaveStats]:
-        """Each finished save's SaveStats, oldest first; the step fields (step_stall_s, slowdown_s,
-        cost_s, overhead_pct, step_time_s) are filled in once the save's cost is final."""
+        """Each finished save's SaveStats, oldest first (the last 10,000; metrics.jsonl keeps them all); the
+        step fields (step_stall_s, slowdown_s, cost_s, overhead_pct, step_time_s) are filled in once the
+        save's cost is final."""
         return self._records.all()
 
     @property

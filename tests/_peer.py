@@ -257,3 +257,19 @@ def killed_mid_copy(rank: int, world: int, base: str, victim: int, timeout_s: fl
     out["trained"] = True
     mgr.close()
     return out
+
+
+def store_keys_over_saves(rank: int, world: int, base: str, per_node: int, saves: int) -> list[int]:
+    """Save `saves` steps with peer copies, each waited for everywhere; the job store's key count after each.
+    Every save's keys (the commit's and the copies') must go once no rank needs them: the count stays flat."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    counts = []
+    with manager(base, rank, per_node, keep_local=2) as mgr:
+        for step in range(1, saves + 1):
+            mgr.save(step, state(rank, step, rank // per_node)).wait()
+            dist.barrier()
+            counts.append(_get_default_store().num_keys())
+            dist.barrier()
+    return counts

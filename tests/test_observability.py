@@ -431,3 +431,18 @@ def test_verify_and_gc_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypa
     assert main(["verify", str(tmp_path)]) == 0  # not a terminal: the plain lines, no bar
     out = capsys.readouterr().out
     assert "verifying steps" not in out and "\x1b[" not in out and out.count("ok") == 3 and "all 3 step(s) verified" in out
+
+
+def test_stats_keeps_the_newest_records_and_metrics_jsonl_keeps_all(tmp_path, monkeypatch):
+    from checkpointing.save import records
+
+    monkeypatch.setattr(records, "KEPT", 3)  # 10,000 in use: a long run's stats() must not grow without bound
+    state = {"w": torch.zeros(64)}
+    with CheckpointManager(tmp_path) as mgr:
+        for step in range(1, 6):
+            state["w"] += 1
+            mgr.save(step, state).wait()
+        mgr.wait()
+        assert [s.step for s in mgr.stats()] == [3, 4, 5]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]

@@ -60,6 +60,11 @@ def test_saves_commit_replicas_on_the_peer_incrementally_and_retention_and_delet
     assert held == [f"node{n}" for n in range(nodes)]  # one copy per node, where placement says
 
 
+def test_the_job_store_does_not_grow_with_saves(tmp_path):
+    counts = run_ranks(_peer.store_keys_over_saves, 2, str(tmp_path), 1, 8, tmp=tmp_path)[0]
+    assert counts[3:] == [counts[3]] * 5, counts  # each save's keys (commit, peer copies) go once no rank needs them
+
+
 def test_too_few_nodes_is_refused_on_every_rank(tmp_path):
     messages = run_ranks(_peer.too_few_nodes, 2, str(tmp_path), tmp=tmp_path)
     for m in messages:

@@ -68,6 +68,7 @@ class Copier:
     def __init__(self, node: Node, store: Store, local: LocalStorage, *, pace: Callable[[int], None]) -> None:
         self.node, self._store, self._local, self._pace = node, store, local, pace
         self._jobs: dict[int, PeerJob] = {}  # by seq: not yet waited for and reported
+        self._published: list[int] = []  # this leader's outcome keys still in the store, by seq
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[PeerJob, Manifest | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-peer", daemon=True)
@@ -176,7 +177,19 @@ class Copier:
                 "sent": sum(g.bytes_sent for g in sent), "reused": sum(g.bytes_reused for g in sent), "seconds": time.perf_counter() - t0}
 
     def _publish(self, job: PeerJob, outcome: dict[str, Any]) -> None:
+        """This leader's outcome of save `seq`'s copies; its keys of saves two or more before go.
+
+        Save seq is committed, so every rank issued it, and issuing a save waits for the copies of
+        every save but the one before (wait_previous): every rank has read the older outcomes."""
         self._store.set(keys.peer_copied(job.seq, self.node.rank), json.dumps(outcome))
+        self._published.append(job.seq)
+        while self._published and self._published[0] <= job.seq - 2:
+            old = self._published.pop(0)
+            for key in (keys.peer_copied(old, self.node.rank), keys.peer_beat(old, self.node.rank)):
+                try:
+                    self._store.delete_key(key)
+                except Exception:  # noqa: BLE001 - a leftover key costs a few bytes, nothing more
+                    pass
 
     def _gather(self, job: PeerJob) -> tuple[CheckpointPeerError | None, tuple[CopyResult, ...]]:
         """Every leader's outcome of this save's copies (a silent leader is a failure)."""

@@ -8,6 +8,7 @@ which may be right away; its step fields then replace it in `stats()` and on the
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -23,9 +24,12 @@ from checkpointing.save.staging import StagingPool
 log = logging.getLogger("checkpointing")
 
 
+KEPT = 10_000  # records stats() holds: a long run saving every few seconds must not grow without bound
+
+
 class SaveRecords:
-    """Every finished save's SaveStats, oldest first (thread-safe). `local` and `remote` name the
-    tiers in log lines (remote: its URL, "" without one)."""
+    """The last KEPT finished saves' SaveStats, oldest first (thread-safe; metrics.jsonl keeps every
+    one). `local` and `remote` name the tiers in log lines (remote: its URL, "" without one)."""
 
     def __init__(self, acct: SaveAccounting, pool: StagingPool, *, rank: int, world_size: int, local: str, remote: str) -> None:
         self._acct = acct
@@ -33,7 +37,7 @@ class SaveRecords:
         self._rank, self._world_size = rank, world_size
         self._local, self._remote = local, remote
         self._lock = threading.Lock()
-        self._stats: list[SaveStats] = []
+        self._stats: collections.deque[SaveStats] = collections.deque(maxlen=KEPT)
 
     def all(self) -> list[SaveStats]:
         with self._lock:
