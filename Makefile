@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-local test bench bench-tiered bench-incremental env clean
+.PHONY: demo demo-local test bench bench-tiered bench-incremental bench-cost bench-scale env clean
 
 $(VENV)/.ready: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,16 @@ bench-tiered: env
 # incremental vs full saves: fine-tuning, embedding (chunk_bytes sweep), dense (a few minutes)
 bench-incremental: env
 	$(PY) bench/bench_incremental.py --md bench/out/incremental.md
+
+# what a save costs the training loop, per thread, against the floors and DCP (about 7 minutes)
+bench-cost: env
+	$(PY) bench/bench_cost.py
+
+# 0.5, 2 and 8 GB: save->durable and cold restore against the disk, then 100 saves watched for growth (about 15 minutes)
+bench-scale: env
+	$(PY) bench/bench_durable.py
+	$(PY) bench/bench_restore.py
+	$(PY) bench/bench_growth.py
 
 clean:
 	rm -rf $(VENV) demo-run bench/out

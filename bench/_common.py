@@ -262,6 +262,12 @@ def machine_description() -> dict:
     return info
 
 
+def machine_line(path: str) -> str:
+    """'2 CPUs (AMD EPYC), 23.5 GiB, ext4 (/dev/vda)': the machine and the filesystem of `path`, for a table's caption."""
+    m = machine_description()
+    return f"{m.get('cpus')} CPUs ({m.get('cpu_model', '?')}), {m.get('mem_total_gib')} GiB, {fs_type(path)}"
+
+
 def fs_type(path: str) -> str:
     path = os.path.realpath(path)
     best, fstype = "", "?"

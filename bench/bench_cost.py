@@ -5,6 +5,7 @@
     python bench/bench_cost.py --quick          # smoke test (0.2 GB, 3 saves per config, ~2 min)
     python bench/bench_cost.py --knobs          # also ours with other options (attribution runs)
     python bench/bench_cost.py --only ours_async,dcp_thread --saves 12
+    python bench/bench_cost.py --ranks 4         # 4 gloo ranks on 127.0.0.1, each 1/4 of the state
 
 One training loop per config (each in a fresh child process, so that no config inherits another's
 threads, registered memory or allocator state), the model and trainer of bench_core.py. Saves come
@@ -341,14 +342,26 @@ def child_main(P) -> int:
 
     key = P.child
     extra = KNOBS.get(key, (None, {}))[1]
-    torch.set_num_threads(extra.get("threads", P.threads))
-    tr = B.Trainer(P.size_gb, P.batch, P.seq, P.step_time)
+    rank, world = int(os.environ.get("BENCH_RANK", "0")), P.ranks if key != "floors" else 1
+    torch.set_num_threads(extra.get("threads", max(1, P.threads // world)))
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank, world_size=world)
+    # with --ranks N every rank holds its 1/N of the state (as FSDP shards it: different data on every rank)
+    # ... and the job's batch (that of one rank holding everything) is every rank's: each does 1/N of the work
+    batch = P.batch if world == 1 or P.batch is not None else max(1, round(2.8 / P.size_gb))
+    tr = B.Trainer(P.size_gb / world, batch, P.seq, P.step_time, seed=rank)
+    if world > 1:
+        tr.state = lambda step: {f"model_r{rank}": tr.model, f"optim_r{rank}": tr.opt, "step": step}
+        tr.step = _lockstep(tr.step)
     res: dict = {"key": key, "name": describe(key), "threads": torch.get_num_threads(), "torch": torch.__version__, "batch": tr.batch,
                  "state_bytes": tr.state_bytes(), "n_params": tr.n_params, "blocks": tr.n_blocks, "vocab": tr.vocab}
     if key == "floors":
         res["floors"] = measure_floors(tr, P)
         return _dump(P, res)
     root = os.path.join(os.path.abspath(P.out), key)
+    if world > 1 and key.startswith("floor"):
+        root = os.path.join(root, f"rank{rank}")  # the floor saver owns its directory
     os.makedirs(root, exist_ok=True)
     if key.startswith("dcp"):
         B.init_gloo()
@@ -371,6 +384,11 @@ def child_main(P) -> int:
             res["io_policy"] = {extra["io_policy"]: set_io_policy(labels, extra["io_policy"])}
     sampler = C.TaskSampler()
     sampler.refresh_children()
+    if world > 1:  # the other ranks' processes are counted as this one's children
+        import torch.distributed as dist
+        pids: list = [None] * world
+        dist.all_gather_object(pids, os.getpid())
+        sampler.children += [p for p in pids if p != os.getpid()]
     res["children"] = list(sampler.children)
     n_steps = (P.saves + 1) * P.cycle
     rows = []
@@ -406,12 +424,35 @@ def child_main(P) -> int:
         res["children_late"] = sorted(late)  # processes that appeared during the loop: not sampled
     res["rows"] = rows
     res["thread_names"] = {str(t): n for t, n in labels.names.items()}
-    if key.startswith("dcp"):
+    if world > 1:
+        res["ranks"] = world
+        import torch.distributed as dist
+        dist.barrier()
+    if key.startswith("dcp") or world > 1:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+    if rank != 0:
+        return 0  # rank 0 reports: every step is in lockstep, and it samples the other ranks' processes
     shutil.rmtree(root, ignore_errors=True)
     return _dump(P, res)
+
+
+def _lockstep(step):
+    """A training step followed by an all-reduce, as data-parallel training's gradient reduction:
+    the ranks move in lockstep, so a save that slows one rank slows the job. On a group of its own:
+    DCP's async_save runs collectives on the default group from its background thread, and two
+    threads' collectives on one gloo group can pair up differently on different ranks (a hang)."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+
+    def run(i, pre_step=None):
+        loss = step(i, pre_step)
+        dist.all_reduce(torch.zeros(1024), group=group)
+        return loss
+    return run
 
 
 class _null:
@@ -821,13 +862,25 @@ def run_child(key: str, P, argv: list, rnd: int = 0) -> dict:
         load = C.wait_quiet(P.wait_quiet, log=log)
         log(f"{key}: other processes use {load:.2f} CPUs")
     t0 = now()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    others = []
+    if P.ranks > 1 and key != "floors":  # ranks 1.. as their own processes; rank 0 is `proc`
+        port = _free_port()
+        env = dict(os.environ, BENCH_PORT=str(port))
+        for r in range(1, P.ranks):
+            with open(os.path.join(os.path.abspath(P.out), f"{key}-{rnd}-rank{r}.log"), "w") as fh:
+                others.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env, BENCH_RANK=str(r))))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env, BENCH_RANK="0"))
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         stdout, _ = proc.communicate()
+        for o in others:
+            o.wait(timeout=120)
     finally:
-        if proc.poll() is None:  # interrupted: the child must not run on alone
-            proc.kill()
-            proc.wait()
+        for o in [proc, *others]:
+            if o.poll() is None:  # interrupted: no child runs on alone
+                o.kill()
+                o.wait()
     p = subprocess.CompletedProcess(cmd, proc.returncode, stdout)
     if p.returncode != 0 or not os.path.exists(result):
         return {"key": key, "name": describe(key) if key != "floors" else key, "error": f"exit {p.returncode}",
@@ -836,6 +889,13 @@ def run_child(key: str, P, argv: list, rnd: int = 0) -> dict:
         res = json.load(f)
     res["wall_s"] = now() - t0
     return res
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def ratio_dist(a: list, b: list, seed: int) -> tuple:
@@ -905,6 +965,16 @@ def f(x, nd=3):
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def _ranks_text(a: dict) -> str:
+    n = a.get("ranks", 1)
+    if n <= 1:
+        return ""
+    return (f"**{n} ranks** (processes on gloo, 127.0.0.1), each holding 1/{n} of the state under its own keys, "
+            f"{max(1, a['threads'] // n)} torch thread(s) and the batch above each (1/{n} of the model: the job's work split {n} ways), an all-reduce after every step (the ranks move in "
+            "lockstep); rank 0's steps are timed, every rank's process is sampled (the other ranks as children); "
+            "the floors are those of the whole state on one thread. ")
+
+
 def markdown(res: dict) -> str:
     a, m, st = res["args"], res["machine"], res.get("state", {})
     fl = res.get("floors", {})
@@ -912,7 +982,7 @@ def markdown(res: dict) -> str:
     L.append(f"Machine: {m.get('cpus')} cores ({m.get('cpu_model', '?')}), {m.get('mem_total_gib')} GiB, {res['fs']}, "
              f"torch {res.get('torch')} CPU, {a['threads']} intra-op threads. {a.get('machine_note') or ''}\n")
     L.append(f"State: {st.get('bytes', 0) / GB:.3f} GB (fp32 model + AdamW, {st.get('blocks')} blocks, vocab {st.get('vocab')}); "
-             f"batch {st.get('batch')}x{a['seq']}. Each config runs in a fresh process: {a['warmup']} warm-up steps, one "
+             f"batch {st.get('batch')}x{a['seq']}. " + _ranks_text(a) + f"Each config runs in a fresh process: {a['warmup']} warm-up steps, one "
              f"untimed save, then {(a['saves'] + 1) * a['cycle']} timed steps with a save at every step = 0 mod "
              f"{a['cycle']} ({a['saves']} saves). A save's window: its step, the steps until its background work is done, "
              f"+{a['tail']}; the other steps are the no-save steps. Overhead per save = window step time - window "
@@ -1031,7 +1101,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help="batch (default round(2.8/size_gb), as bench_core)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--step-time", type=float, default=0.7)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (per rank: this / --ranks, at least 1)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks per config: real processes on gloo (127.0.0.1), each holding 1/ranks of the state under its own "
+                        "keys, an all-reduce after every step; rank 0 reports and samples every rank's process")
     p.add_argument("--saves", type=int, default=None, help="timed saves per config (default 7; --quick 3)")
     p.add_argument("--cycle", type=int, default=None, help="a save every this many steps (default 7; --quick 5)")
     p.add_argument("--rounds", type=int, default=1,

@@ -125,8 +125,7 @@ def main() -> None:
     machine = C.machine_description()
     lines = [f"### save -> durable vs an O_DIRECT write of the same bytes ({datetime.date.today().isoformat()}"
              f"{', ' + args.label if args.label else ''})", "",
-             f"{machine.get('cpus')} CPUs ({machine.get('cpu_model', '?')}), {machine.get('mem_total_gib')} GiB, "
-             f"{C.fs_type(args.out)}; medians of {args.reps} interleaved repetitions", "",
+             f"{C.machine_line(args.out)}; medians of {args.reps} interleaved repetitions", "",
              "| state | O_DIRECT write + fsync | ours save() -> durable | ratio | stall | first save -> durable |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
