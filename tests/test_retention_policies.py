@@ -385,6 +385,9 @@ def _two_ranks_keep_best(rank: int, world: int, directory: str) -> tuple[list[in
         for step, per_rank in losses.items():
             mgr.save(step, {"w": torch.full((8,), float(step))}, metrics={"loss": per_rank[rank], "rank": rank}).wait()
         mgr.wait()
+        # the tier's leader (rank 0) retires steps once every rank has the verdict, so rank 1 may list
+        # step 2 a moment longer: rank 0's wait() covers its retention, and the barrier orders rank 1 after it
+        torch.distributed.barrier()
         return mgr.steps(), dict(catalog.read_commit(mgr.storage, 1).metrics)
 
 
