@@ -26,7 +26,7 @@ import logging
 import time
 
 from checkpointing.dist import keys
-from checkpointing.dist.store import store_errors, wait_keys
+from checkpointing.dist.store import delete_keys, store_errors, wait_keys
 from checkpointing.dist.types import StoreRoom
 from checkpointing.errors import CheckpointError, CoordinationTimeout, UploadRanksFailed
 from checkpointing.format.manifest import Manifest
@@ -110,11 +110,7 @@ class StoreTierCommitter:
         self.store.set(keys.upload_status(seq), json.dumps(verdict))
 
     def _forget(self, seq: int) -> None:
-        for key in keys.upload_all(seq, self.world_size):
-            try:
-                self.store.delete_key(key)
-            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
-                pass
+        delete_keys(self.store, keys.upload_all(seq, self.world_size))
 
     def close(self) -> None:
         pass

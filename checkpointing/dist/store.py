@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from checkpointing.dist.keys import rank_of
 from checkpointing.dist.types import Store
@@ -33,6 +33,15 @@ def poll(ready: Callable[[], _T], deadline: float) -> _T:
         time.sleep(delay)
         delay = min(delay * 2, _POLL_S[1])
     return found
+
+
+def delete_keys(store: Store, keys: Iterable[str]) -> None:
+    """Delete keys no rank reads any more; one that cannot be deleted is left (a few bytes, nothing more)."""
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a leftover key is harmless
+            pass
 
 
 def wait_set(store: Store, keys: list[str], deadline: float) -> bool:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from checkpointing.dist import keys
 from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
-from checkpointing.dist.store import connect, poll, store_errors, wait_keys
+from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys
 from checkpointing.dist.types import Committed, SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
 from checkpointing.format.decode import decode_manifest
@@ -211,11 +211,7 @@ class StoreCoordinator:
         return json.loads(self.store.get(key))
 
     def _delete_seq(self, seq: int) -> None:
-        for key in keys.save_all(seq, self.world_size):
-            try:
-                self.store.delete_key(key)
-            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes, nothing more
-                pass
+        delete_keys(self.store, keys.save_all(seq, self.world_size))
 
     # ------------------------------------------------------------ collective calls (training thread)
 

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from checkpointing.dist import keys
+from checkpointing.dist.store import delete_keys
 from checkpointing.dist.types import Store
 from checkpointing.errors import CheckpointTimeoutError, rank_ranges
 from checkpointing.format.manifest import Manifest
@@ -185,11 +186,7 @@ class Copier:
         self._published.append(job.seq)
         while self._published and self._published[0] <= job.seq - 2:
             old = self._published.pop(0)
-            for key in (keys.peer_copied(old, self.node.rank), keys.peer_beat(old, self.node.rank)):
-                try:
-                    self._store.delete_key(key)
-                except Exception:  # noqa: BLE001 - a leftover key costs a few bytes, nothing more
-                    pass
+            delete_keys(self._store, (keys.peer_copied(old, self.node.rank), keys.peer_beat(old, self.node.rank)))
 
     def _gather(self, job: PeerJob) -> tuple[CheckpointPeerError | None, tuple[CopyResult, ...]]:
         """Every leader's outcome of this save's copies (a silent leader is a failure)."""

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 from torch.optim import Optimizer
 
 from checkpointing.dist import keys
+from checkpointing.dist.store import delete_keys
 from checkpointing.dist.types import Store
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.format import naming
@@ -148,10 +149,7 @@ class TrainingLoop:
             value = {"every_steps": schedule.proposed, "from_step": step + 1}
             store.set(key, json.dumps(value))
             if n >= 2:
-                try:
-                    store.delete_key(keys.auto_interval(n - 2))
-                except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
-                    pass
+                delete_keys(store, [keys.auto_interval(n - 2)])
         else:
             if not store.check([key]):
                 return
