@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-local test bench bench-tiered bench-incremental bench-cost bench-scale env clean
+.PHONY: demo demo-local test test-cuda bench bench-tiered bench-incremental bench-cost bench-scale bench-gpu env clean
 
 $(VENV)/.ready: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ bench-cost: env
 	$(PY) bench/bench_cost.py
 
 # 0.5, 2 and 8 GB: save->durable and cold restore against the disk, then 100 saves watched for growth (about 15 minutes)
+# on a CUDA machine: the GPU tests (skipped elsewhere) and the GPU loop harness (docs/benchmarks.md, "On a GPU")
+test-cuda: env
+	$(PY) -m pytest -m cuda tests/test_cuda.py
+
+bench-gpu: env
+	$(PY) bench/bench_gpu.py
+
 bench-scale: env
 	$(PY) bench/bench_durable.py
 	$(PY) bench/bench_restore.py

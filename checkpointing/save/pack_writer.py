@@ -9,11 +9,13 @@ Three ways to the file, by the plan:
   from CPU memory, is handed to the write-behind thread (behind.py) in batches of page-aligned
   spans of at least `write_block` bytes, while the later chunks are still being copied. The
   chunks are digested after all are staged (the guard before optimizer.step() waits for the
-  copies only), while the write-behind thread writes. What waits for the end (write_chunks, on
+  copies only), while the write-behind thread writes. A chunk copied from a CUDA tensor joins the
+  batches when it is digested (its copy is done then, and its digest tells whether it changed), so
+  the file is written while the later chunks are digested. What waits for the end (write_chunks, on
   this thread): the last batch, not full (a state smaller than one batch is written as without
   pipelining, byte for byte), the chunks whose bytes did not change or were not compared
   (reuse.choose_borrowed decides per file whether to take them from the base or write them
-  again), CUDA chunks, the local tier's copies of replicated chunks (regions TIER, and OTHER,
+  again), the local tier's copies of replicated chunks (regions TIER, and OTHER,
   which a local-tier peer may write instead), and a chunk whose page-aligned span would run past
   the pool's end (only the stream's very last write may be short). A page shared by chunks of two
   batches is written with each (at most a page per batch: padding, never referenced).
@@ -134,8 +136,8 @@ class PackWriter:
         """Pipelined: chunk i is in the pool; queue it for the write-behind thread when this rank
         surely writes it, as known at copy time. Left for the end (write_chunks): a chunk of a
         region after PRIMARY (the file keeps the pack's region order), one copied from a CUDA
-        tensor (its copy may still be in flight), and one the base may provide (unchanged, or not
-        compared: then its digest decides). No digest here: the guard before optimizer.step()
+        tensor (its copy may still be in flight: it is queued when digested, _digest), and one the
+        base may provide (unchanged, or not compared: then its digest decides). No digest here: the guard before optimizer.step()
         waits only for the copies; the chunks are digested once all are staged."""
         p = self.plan.placements[i]
         if self.inputs.regions[p.leaf] > PRIMARY or self.copier.sources[p.leaf].is_cuda:
@@ -195,8 +197,15 @@ class PackWriter:
         start = p.pack_offset % self.plan.pool_bytes
         self.digests[i] = chunk_digest(self.pool.view[start : start + p.length])
         # bytes the pool could not compare (CUDA, another plan): the same position's digest
-        self.same[i] = (base is not None and (not base.exact or self.copier.sources[p.leaf].is_cuda)
-                        and self.digests[i] == base.digests[i])
+        cuda = self.copier.sources[p.leaf].is_cuda
+        self.same[i] = (base is not None and (not base.exact or cuda) and self.digests[i] == base.digests[i])
+        if cuda and self.behind is not None and self.inputs.regions[p.leaf] <= PRIMARY and not (self.borrowable and self.same[i]):
+            # pipelined: a CUDA chunk is known to be written once its copy is done and digested (its
+            # digest differs from the base's, or there is no base): to the file while the next are digested
+            self._pending.append(i)
+            self._pending_bytes += p.length
+            if self._pending_bytes >= self.write_block:
+                self._hand_over()
 
     def write_upto(self, upto: int, final: bool = False) -> None:
         """Ring mode: hand pack bytes [written, upto) to the stream: whole aligned blocks, a short tail only when final."""
