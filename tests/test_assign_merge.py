@@ -81,7 +81,7 @@ def test_merge_sharded_replicated_and_per_rank():
         _leaf("step", (), "s", None, region=OTHER),
         _leaf("rng", (2,), "r1", ((24, 8, E),)),
     ])
-    manifest, per_rank = merge_parts(1, [p0, p1], ("t", "t"))
+    manifest, _, per_rank = merge_parts(1, [p0, p1], ("t", "t"))
     assert per_rank == {"rng"}
     keys = [t.key for t in manifest.tensors]
     assert keys == ["w", "step", "rng", "rng"]
@@ -94,7 +94,7 @@ def test_merge_sharded_replicated_and_per_rank():
 def test_merge_replica_on_another_tier_and_primary_prefix():
     p0 = _part(0, [_leaf("step", (), "s", ((0, 4, D),), region=PRIMARY)])
     p1 = _part(1, [_leaf("step", (), "s", ((0, 4, D),), region=TIER)])
-    manifest, _ = merge_parts(1, [p0, p1], ("a", "b"))
+    manifest, _, _ = merge_parts(1, [p0, p1], ("a", "b"))
     [shard] = manifest.tensors[0].shards
     assert shard.chunks[0].file.endswith("r00000.aaaaaaaaaaaa.pack") and len(shard.replicas) == 1
     assert [(f.rank, f.tier, f.primary_bytes) for f in manifest.files] == [(0, "a", 4), (1, "b", 0)]

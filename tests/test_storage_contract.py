@@ -445,6 +445,15 @@ class TestCatalog:
             commit_step(storage, 3, "second")
         assert catalog.load_manifest(storage, 3) == make_manifest(3, "first")
 
+    def test_a_step_committed_again_reads_its_new_manifest(self, storage):
+        """Manifests are kept decoded by the digest their COMMIT names, never by step: a step deleted and
+        committed again with other content reads back the new content."""
+        first = commit_step(storage, 6, "first")
+        assert catalog.load_manifest(storage, 6) == first
+        collect.delete_step(storage, 6)
+        second = commit_step(storage, 6, "second")
+        assert second != first and catalog.load_manifest(storage, 6) == second
+
     def test_step_without_commit_is_incomplete(self, storage):
         commit_step(storage, 1)
         storage.put(naming.pack_name(2, 0, "crashed"), b"partial")  # a save that died before its manifest

@@ -16,7 +16,6 @@ from checkpointing.dist.keys import new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
 from checkpointing.dist.types import Committed, Coordinator, SaveRef, TierCommitter, Written
 from checkpointing.errors import CheckpointConfigError, CheckpointError, MergeError
-from checkpointing.format.manifest import encode_manifest
 from checkpointing.format.rank_reports import RankPart, merge_parts
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
@@ -76,10 +75,10 @@ class LocalCoordinator:
 
     def commit(self, save: SaveRef, part: RankPart) -> Committed:
         try:
-            manifest, _ = merge_parts(save.step, [part], self.tiers, save.metrics)
+            manifest, data, _ = merge_parts(save.step, [part], self.tiers, save.metrics)
         except MergeError as exc:
             raise CheckpointError(f"step {save.step} cannot be committed: {exc}") from None
-        return Committed(manifest, catalog.commit_bytes(self.storage, save.step, encode_manifest(manifest), save.token))
+        return Committed(manifest, catalog.commit_bytes(self.storage, save.step, data, save.token, manifest))
 
     def barrier(self, name: str, error: str | None = None) -> None:
         if error is not None:

@@ -27,8 +27,7 @@ from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys
 from checkpointing.dist.types import Committed, SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
-from checkpointing.format.decode import decode_manifest
-from checkpointing.format.manifest import encode_manifest, manifest_digest
+from checkpointing.format.manifest import Manifest, manifest_digest
 from checkpointing.format.rank_reports import RankPart, decode_part, encode_part, merge_parts
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
@@ -55,6 +54,7 @@ class StoreCoordinator:
         self._restores = 0
         self.per_rank_keys: frozenset[str] = frozenset()
         self._per_rank_pending: list[str] = []
+        self._merged: tuple[int, Manifest] | None = None  # rank 0: the save (seq) it merged last, its manifest as decoded
         self._shared: set[int] = set()  # the seqs of the saves whose ws/<rank> this rank has set
         # which ranks share a local tier: every rank publishes the id found in its directory
         self.store.set(keys.init_tier(self.rank), ensure_tier_id(storage))
@@ -133,7 +133,7 @@ class StoreCoordinator:
         if committed is None:
             data = self.store.get(keys.save_manifest(save.seq))
             # what its tier leader's COMMIT names
-            committed = Committed(decode_manifest(data, f"step {save.step} manifest from rank 0"), manifest_digest(data))
+            committed = Committed(catalog.decoded_manifest(data, f"step {save.step} manifest from rank 0"), manifest_digest(data))
         return committed
 
     def _merge(self, save: SaveRef, deadline: float) -> bool:
@@ -159,12 +159,13 @@ class StoreCoordinator:
             self._verdict(save, roots or failures)
             return False
         try:
-            manifest, per_rank = merge_parts(save.step, parts, self.tiers, save.metrics)  # rank 0's metrics
+            manifest, data, per_rank = merge_parts(save.step, parts, self.tiers, save.metrics)  # rank 0's metrics
         except MergeError as exc:
             self._verdict(save, {0: f"the ranks' reports do not form a consistent checkpoint: {exc}"})
             return False
         self._per_rank_pending = sorted(per_rank)
-        self.store.set(keys.save_manifest(save.seq), encode_manifest(manifest))
+        self._merged = (save.seq, manifest)
+        self.store.set(keys.save_manifest(save.seq), data)
         return True
 
     def _collect_acks(self, save: SaveRef, deadline: float) -> None:
@@ -197,13 +198,14 @@ class StoreCoordinator:
             return None  # rank 0 gave its verdict without a manifest: the step failed
         data = self.store.get(manifest_key)
         digest = ""
+        decoded = self._merged[1] if self._merged is not None and self._merged[0] == save.seq else None  # rank 0 has it
         try:
-            digest = catalog.commit_bytes(self.storage, save.step, data, save.token)
+            digest = catalog.commit_bytes(self.storage, save.step, data, save.token, decoded)
             ack: dict[str, Any] = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the step everywhere
             ack = {"ok": False, "error": f"committing on its local tier {self.storage.url}: {type(exc).__name__}: {exc}"}
         self.store.set(keys.save_ack(save.seq, self.rank), json.dumps(ack))
-        return Committed(decode_manifest(data, f"step {save.step} manifest"), digest) if ack["ok"] else None
+        return Committed(catalog.decoded_manifest(data, f"step {save.step} manifest"), digest) if ack["ok"] else None
 
     def _status(self, save: SaveRef, deadline: float) -> dict[str, Any]:
         key = keys.save_status(save.seq)

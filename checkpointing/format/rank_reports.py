@@ -103,9 +103,10 @@ class _Entry:
     shards: dict[tuple[int, ...], _Shard] = dataclasses.field(default_factory=dict)
 
 
-def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metrics: Metrics | None = None) -> tuple[Manifest, frozenset[str]]:
-    """The step's manifest, and the plain-tensor keys whose values differ between ranks. `metrics`:
-    the save's (rank 0's save(..., metrics=...): the merging rank's own), recorded in the manifest."""
+def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metrics: Metrics | None = None) -> tuple[Manifest, bytes, frozenset[str]]:
+    """The step's manifest as a reader decodes it, its encoding (the bytes every tier commits), and
+    the plain-tensor keys whose values differ between ranks. `metrics`: the save's (rank 0's
+    save(..., metrics=...): the merging rank's own), recorded in the manifest."""
     world = len(parts)
     problems: list[str] = []
     entries: list[_Entry] = []
@@ -151,14 +152,15 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
     files = _file_table(parts, tensors, tiers, primary_end, problems)
     if problems:
         raise MergeError(problems)
-    manifest = Manifest(step=step, trees=tuple(trees), tensors=tuple(tensors), world_size=world, rank_trees=tuple(rank_trees), files=files,
-                        metrics=dict(metrics or {}))
-    try:  # what is committed must decode: the reader's own checks, once, here
-        decode_manifest(encode_manifest(manifest), f"step {step} manifest")
+    merged = Manifest(step=step, trees=tuple(trees), tensors=tuple(tensors), world_size=world, rank_trees=tuple(rank_trees), files=files,
+                      metrics=dict(metrics or {}))
+    data = encode_manifest(merged)
+    try:  # what is committed must decode: the reader's own checks, once, here; the writer goes on with what they return
+        manifest = decode_manifest(data, f"step {step} manifest")
     except ManifestError as exc:
         raise MergeError([str(exc)]) from None
     per_rank = frozenset(k for k, by_digest in plain_digests.items() if len(by_digest) > 1 or sum(map(len, by_digest.values())) != world)
-    return manifest, per_rank
+    return manifest, data, per_rank
 
 
 def _file_table(parts: list[RankPart], tensors: list[TensorEntry], tiers: tuple[str, ...], primary_end: dict[str, int],

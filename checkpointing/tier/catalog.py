@@ -9,8 +9,10 @@ then whatever no committed step or save in flight references.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import threading
 from typing import Iterable, Iterator
 
 from checkpointing.format import naming
@@ -26,6 +28,39 @@ log = logging.getLogger("checkpointing")
 
 MAX_COMMIT_BYTES = 64 << 10  # a COMMIT marker is a few hundred bytes; anything larger is not one
 MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (a 4,000-shard one is a few MB)
+DECODED_KEPT = 4  # manifests kept decoded, by digest: each save's retention reads the retained steps' again
+
+
+class _Decoded:
+    """The last few manifests decoded, by the sha256 of their bytes (which the COMMIT names and the
+    reader checks before decoding): the same bytes decode to the same frozen Manifest, so a step's
+    manifest is decoded once, not on every save that re-reads it (retention) or on a restore that
+    reads it twice. Thread-safe; a manifest that fails to decode is not kept."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._by_digest: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
+
+    def get(self, digest: str, data: bytes, where: str) -> Manifest:
+        with self._lock:
+            found = self._by_digest.get(digest)
+            if found is not None:
+                self._by_digest.move_to_end(digest)
+                return found
+        manifest = decode_manifest(data, where)
+        self.put(digest, manifest)
+        return manifest
+
+    def put(self, digest: str, manifest: Manifest) -> None:
+        with self._lock:
+            self._by_digest[digest] = manifest
+            self._by_digest.move_to_end(digest)
+            while len(self._by_digest) > self._kept:
+                self._by_digest.popitem(last=False)
+
+
+_decoded = _Decoded(DECODED_KEPT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +143,15 @@ def committed_manifest(storage: Storage, step: int) -> tuple[Manifest, str]:
             f"step {step}: manifest {where} is damaged (sha256 {digest[7:19]}... != "
             f"{marker.manifest_digest[7:19]}... in COMMIT); restore another step (restore(step=...))"
         )
-    manifest = decode_manifest(data, where)
+    manifest = _decoded.get(digest, data, where)
     if manifest.step != step:
         raise ManifestError(f"{where} is for step {manifest.step}, expected {step}")
     return manifest, digest
+
+
+def decoded_manifest(data: bytes, where: str) -> Manifest:
+    """decode_manifest(data), kept by digest with the committed manifests this process read or wrote."""
+    return _decoded.get(manifest_digest(data), data, where)
 
 
 def commit(storage: Storage, manifest: Manifest, token: str) -> str:
@@ -120,13 +160,18 @@ def commit(storage: Storage, manifest: Manifest, token: str) -> str:
     return commit_bytes(storage, manifest.step, encode_manifest(manifest), token)
 
 
-def commit_bytes(storage: Storage, step: int, data: bytes, token: str) -> str:
-    """commit() for a manifest already encoded (every tier stores the very same bytes)."""
+def commit_bytes(storage: Storage, step: int, data: bytes, token: str, decoded: Manifest | None = None) -> str:
+    """commit() for a manifest already encoded (every tier stores the very same bytes). `decoded`:
+    what decode_manifest(data) returned, where the caller has it (rank_reports.merge_parts), so that
+    it is not decoded again; it is kept for the next saves' retention, which reads this step again."""
     path = naming.manifest_name(step, token)
     storage.put(path, data)
-    manifest = decode_manifest(data, f"step {step} manifest")
+    digest = manifest_digest(data)
+    if decoded is not None:
+        _decoded.put(digest, decoded)
+    manifest = _decoded.get(digest, data, f"step {step} manifest")
     check_files(storage, manifest)  # the last moment before COMMIT
-    marker = CommitMarker(step, path, manifest_digest(data), metrics=manifest.metrics)  # listed without reading the manifest
+    marker = CommitMarker(step, path, digest, metrics=manifest.metrics)  # listed without reading the manifest
     storage.put(naming.commit_name(step), encode_commit(marker), exclusive=True)
     return marker.manifest_digest
 
