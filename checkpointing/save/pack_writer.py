@@ -135,10 +135,11 @@ class PackWriter:
     def _staged(self, i: int, compare: bool) -> None:
         """Pipelined: chunk i is in the pool; queue it for the write-behind thread when this rank
         surely writes it, as known at copy time. Left for the end (write_chunks): a chunk of a
-        region after PRIMARY (the file keeps the pack's region order), one copied from a CUDA
-        tensor (its copy may still be in flight: it is queued when digested, _digest), and one the
-        base may provide (unchanged, or not compared: then its digest decides). No digest here: the guard before optimizer.step()
-        waits only for the copies; the chunks are digested once all are staged."""
+        region after PRIMARY (the file keeps the pack's region order), and one the base may provide
+        (unchanged, or not compared: then its digest decides). A chunk copied from a CUDA tensor
+        (its copy may still be in flight) is queued when it is digested (_digest). No digest here:
+        the guard before optimizer.step() waits only for the copies; the chunks are digested once
+        all are staged."""
         p = self.plan.placements[i]
         if self.inputs.regions[p.leaf] > PRIMARY or self.copier.sources[p.leaf].is_cuda:
             return
