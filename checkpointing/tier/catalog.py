@@ -28,7 +28,9 @@ log = logging.getLogger("checkpointing")
 
 MAX_COMMIT_BYTES = 64 << 10  # a COMMIT marker is a few hundred bytes; anything larger is not one
 MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (a 4,000-shard one is a few MB)
-DECODED_KEPT = 4  # manifests kept decoded, by digest: each save's retention reads the retained steps' again
+# manifests kept decoded, by digest: the newest step's (the next save's base refers to most of it anyway)
+# and the one before (keep_local=2's retention reads both after each save); ~370 B a chunk decoded
+DECODED_KEPT = 2
 
 
 class _Decoded:
