@@ -52,7 +52,7 @@ test-cuda: env
 	$(PY) -m pytest -m cuda tests/test_cuda.py
 
 bench-gpu: env
-	$(PY) bench/bench_gpu.py
+	$(PY) bench/bench_gpu.py --gb 2 --budget-s 150
 
 bench-scale: env
 	$(PY) bench/bench_durable.py

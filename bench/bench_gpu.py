@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What a save costs a GPU training loop, against the physics and DCP, in one run (issue 21 on a GPU node).
 
-    python bench/bench_gpu.py                     # 4 GB of state (fp32 weights + AdamW), ~3 min on one H100/H200
+    python bench/bench_gpu.py --gb 2 --budget-s 150   # what docs/benchmarks.md shows: ~4-5 min on one H200
+    python bench/bench_gpu.py                     # 4 GB of state (fp32 weights + AdamW), 6 pairs per config
     python bench/bench_gpu.py --gb 1 --pairs 4    # quick
     python bench/bench_gpu.py --only floor,ours   # some configs
 
