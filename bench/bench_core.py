@@ -332,6 +332,14 @@ class DcpSync(Saver):
         return self.last
 
 
+def stager_closed(stager) -> bool:
+    """Some torch releases (2.11 seen) close a DefaultStager passed to async_save once the save is
+    done (its table of copiers emptied: the next stage() fails with KeyError: <class 'type'>); such
+    a stager cannot be reused."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    return table is not None and not table
+
+
 class DcpAsync(Saver):
     """dcp.async_save. stager: None = async_save's own per-call DefaultStager (sync staging, fresh
     buffers each save); otherwise a reused DefaultStager with these StagingOptions. With async
@@ -361,11 +369,6 @@ class DcpAsync(Saver):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         return DefaultStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False, **self.stager_opts))
 
-    def _stager_closed(self) -> bool:
-        """Some torch releases (2.11 seen) close a DefaultStager passed to async_save once the save is
-        done (its table of copiers emptied: the next stage() fails with KeyError: <class 'type'>)."""
-        table = getattr(getattr(self.stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-        return table is not None and not table
 
     def save(self, step):
         import torch.distributed.checkpoint as dcp
@@ -376,7 +379,7 @@ class DcpAsync(Saver):
         t1 = now()
         ctype = AsyncCheckpointerType.PROCESS if self.ctype == "process" else AsyncCheckpointerType.THREAD
         rec = {"step": step, "wait_prev_s": t1 - t0, "staging_wait_s": 0.0}
-        if self.stager is not None and self._stager_closed():
+        if self.stager is not None and stager_closed(self.stager):
             self.stager = self._new_stager()  # such a torch cannot reuse it: a new one, inside the timed call
         r = dcp.async_save(self.tr.state(step), checkpoint_id=os.path.join(self.root, f"step-{step}"),
                            async_checkpointer_type=ctype, async_stager=self.stager)

@@ -65,7 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import _common as C  # noqa: E402
 from _common import now  # noqa: E402
-from bench_core import TinyLM, init_gloo, shape_for  # noqa: E402
+from bench_core import TinyLM, init_gloo, shape_for, stager_closed  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20
@@ -327,13 +327,6 @@ class DcpSaver:
         return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                             use_async_staging=True, use_non_blocking_copy=cuda))
 
-    def _stager_closed(self) -> bool:
-        """Some torch releases (2.11 seen) close a DefaultStager passed to async_save once the save is
-        done (its copy table emptied: the next stage() fails); such a stager cannot be reused."""
-        inner = getattr(self.stager, "_state_dict_stager", None)
-        table = getattr(inner, "_deepcopy_dispatch", None)
-        return table is not None and not table
-
     def state(self, step):
         from torch.distributed.checkpoint.state_dict import get_state_dict
         msd, osd = get_state_dict(self.tr.model, self.tr.opt)
@@ -347,7 +340,7 @@ class DcpSaver:
             self.upload.result()
         t1 = now()
         rec = {"step": step, "wait_prev_s": t1 - t0, "staging_wait_s": 0.0}
-        if self.stager is not None and self._stager_closed():
+        if self.stager is not None and stager_closed(self.stager):
             self.stager = self._new_stager()  # counted in this save's call time, as it is in the loop
         self.last = os.path.join(self.root, f"step-{step}")
         r = dcp.async_save(self.state(step), checkpoint_id=self.last,

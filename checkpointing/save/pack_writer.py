@@ -145,8 +145,12 @@ class PackWriter:
             return
         if self.borrowable and (self.same[i] or not compare):
             return
+        self._queue(i)
+
+    def _queue(self, i: int) -> None:
+        """Pipelined: add chunk i to the next batch; hand the batch over once it holds write_block bytes."""
         self._pending.append(i)
-        self._pending_bytes += p.length
+        self._pending_bytes += self.plan.placements[i].length
         if self._pending_bytes >= self.write_block:
             self._hand_over()
 
@@ -203,10 +207,7 @@ class PackWriter:
         if cuda and self.behind is not None and self.inputs.regions[p.leaf] <= PRIMARY and not (self.borrowable and self.same[i]):
             # pipelined: a CUDA chunk is known to be written once its copy is done and digested (its
             # digest differs from the base's, or there is no base): to the file while the next are digested
-            self._pending.append(i)
-            self._pending_bytes += p.length
-            if self._pending_bytes >= self.write_block:
-                self._hand_over()
+            self._queue(i)
 
     def write_upto(self, upto: int, final: bool = False) -> None:
         """Ring mode: hand pack bytes [written, upto) to the stream: whole aligned blocks, a short tail only when final."""
