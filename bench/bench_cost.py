@@ -74,6 +74,7 @@ KNOBS = {
     "ours_buffered": ({"direct_io": False}, {}),
     "ours_budget64m": ({"staging_budget_bytes": 64 * MiB}, {}),
     "ours_idle": ({}, {"io_policy": "idle"}),
+    "ours_noyield": ({"background_yield_s": None}, {}),
     "ours_threads1": ({}, {"threads": 1}),
     "floor_idle": (None, {"io_policy": "idle"}),
 }

@@ -46,7 +46,7 @@ from checkpointing.format import naming
 from checkpointing.observe.accounting import SaveAccounting
 from checkpointing.observe.metrics import SaveStats
 from checkpointing.observe.steptime import RunSummary
-from checkpointing.options import DEFAULT_CHUNK_BYTES, ChangeDetection, ManagerOptions, SnapshotMode
+from checkpointing.options import DEFAULT_CHUNK_BYTES, DEFAULT_YIELD_S, ChangeDetection, ManagerOptions, SnapshotMode
 from checkpointing.peer.node import open_peers
 from checkpointing.plan.retention import RetentionPolicy, tier_states
 from checkpointing.plan.schedule import SaveSchedule
@@ -95,6 +95,7 @@ class CheckpointManager:
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
         incremental: bool = True, reverify_every: int | None = 10, reverify_bytes_per_s: float = 200e6,
+        background_yield_s: float | None = DEFAULT_YIELD_S,
         change_detection: ChangeDetection = "auto",
         process_group: Any = None,
         snapshot: SnapshotMode = "async",
@@ -119,7 +120,7 @@ class CheckpointManager:
         self.options = ManagerOptions(
             keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes, chunk_bytes=chunk_bytes,
             write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync, reverify_every=reverify_every, reverify_bytes_per_s=reverify_bytes_per_s,
-            incremental=incremental, change_detection=change_detection, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
+            incremental=incremental, change_detection=change_detection, background_yield_s=background_yield_s, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
             timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes, upload_bytes_per_s=upload_bytes_per_s,
             interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics, read_only=read_only, peer_copies=peer_copies, peer_bandwidth=peer_bandwidth,
         )
@@ -161,7 +162,7 @@ class CheckpointManager:
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
                                   records=self._records, retention=retention, uploader=self._uploader,
                                   reverify_every=options.reverify_every, reverify_bytes_per_s=options.reverify_bytes_per_s,
-                                  after_local=self._peers.committed)
+                                  after_local=self._peers.committed, yield_s=options.yield_s)
         planner = PackPlanner(coord, group, chunk_bytes=options.chunk_bytes, budget=options.staging_budget_bytes)
         self._saves = SaveIssuer(options, self.storage, planner=planner, inflight=self._inflight, worker=self._worker,
                                  uploader=self._uploader, acct=self._acct, world_size=self.world_size, stepped=self._stepped)

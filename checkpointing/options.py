@@ -18,6 +18,7 @@ ChangeDetection = Literal["auto", "compare"]
 
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 1 << 20  # chosen by bench/bench_incremental.py: see docs/benchmarks.md ("Incremental saves")
+DEFAULT_YIELD_S = 30.0  # bench/bench_cost.py: see docs/benchmarks.md ("What a save costs the loop")
 S3_MIN_PART_BYTES = 5 << 20  # S3 refuses smaller multipart parts (but the last)
 
 
@@ -79,6 +80,17 @@ class ManagerOptions:
         it (default 10), on the background thread after each commit (a damaged one is written anew
         by the next save); None turns this off.
     reverify_bytes_per_s: the pace of those reads (default 200e6).
+    background_yield_s: once a save's snapshot is copied (at normal priority: the guard before
+        optimizer.step() waits for it), the threads doing the rest (digests, writes, commit,
+        retention) run at the lowest CPU priority (Linux SCHED_IDLE: only on a core nothing else
+        wants), so that a training loop that keeps every core busy is not slowed by them. They go
+        back to normal priority as soon as anything waits for the save (the next save(),
+        handle.wait(), wait(), delete(), close(), an emergency save) or this many seconds after the
+        snapshot (default 30.0; at most timeout_s / 4, so that no rank waits for another past its
+        timeout), which bounds how much later a step becomes durable. SaveStats.yielded_s is the
+        time spent so. None: always normal priority. Where the process may not raise a thread's
+        priority back (not Linux; neither CAP_SYS_NICE nor RLIMIT_NICE >= 20) the threads keep
+        normal priority (save/yielding.py).
 
     Uploads to the remote tier:
     upload_concurrency: multipart parts (of one rank) uploaded at a time (default 8).
@@ -116,6 +128,7 @@ class ManagerOptions:
     change_detection: ChangeDetection = "auto"
     reverify_every: int | None = DEFAULT_REVERIFY_EVERY
     reverify_bytes_per_s: float = DEFAULT_REVERIFY_BYTES_PER_S
+    background_yield_s: float | None = DEFAULT_YIELD_S
     remote: str | None = None
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     codecs: tuple[Codec, ...] = ()
@@ -152,6 +165,12 @@ class ManagerOptions:
                 "write to, compare the rest) or 'compare' (compare every byte)"
             )
         self._check_reverify()
+        y = self.background_yield_s
+        if y is not None and (isinstance(y, bool) or not isinstance(y, (int, float)) or not math.isfinite(y) or y <= 0):
+            raise CheckpointConfigError(
+                f"background_yield_s={y!r} is invalid: pass the most seconds a save's background work may yield the CPU "
+                "to the training loop (> 0, default 30), or None to run it at normal priority"
+            )
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < MIN_CHUNK_BYTES:
             raise CheckpointConfigError(
                 f"chunk_bytes={self.chunk_bytes!r} is invalid: pass an int >= {MIN_CHUNK_BYTES}"
@@ -174,6 +193,13 @@ class ManagerOptions:
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
             raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
+
+    @property
+    def yield_s(self) -> float | None:
+        """How long a save's background threads may yield the CPU: background_yield_s, at most a
+        quarter of timeout_s (a rank that yields never keeps the others waiting past their timeout)."""
+        y = self.background_yield_s
+        return None if y is None else min(float(y), self.timeout_s / 4)
 
     @property
     def local_retention(self) -> RetentionPolicy | None:

@@ -46,6 +46,9 @@ class SaveStats:
         thread between the previous save's commit and this save (reverify_every, docs/design.md
         "Incremental saves"); chunks_damaged: of those, the ones that did not match their digest
         (or could not be read): this save wrote them anew instead of borrowing them.
+    yielded_s: seconds between the snapshot and the local commit during which the save's background
+        threads ran at the lowest CPU priority, giving the cores to the training loop
+        (background_yield_s); None when they did not yield (the option off, or not allowed here).
     tier: where the step is durable: "local", or "local+remote" once uploaded.
     upload_s, bytes_uploaded, upload_bytes_per_s (None without a remote tier): local commit to
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
@@ -99,6 +102,7 @@ class SaveStats:
     chunks_reverified: int = 0
     chunks_damaged: int = 0
     bytes_deferred: int = 0
+    yielded_s: float | None = None
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -175,9 +179,10 @@ class MetricsSink:
 
     `emit(record, now=True)` appends the line on the calling (background) thread; `now=False`
     (from the training thread) leaves the append to the sink's own thread. The callback always
-    runs on the sink's thread ("ckpt-metrics", started at the first record that needs it), in the
-    order records were emitted, so a slow callback (a network logger) delays neither training nor
-    saving. An exception in the callback is logged (the first with its traceback) and never
+    runs on the sink's thread ("ckpt-metrics": started here when there is a callback, so that it
+    never inherits the CPU priority of a yielding background thread, save/yielding.py; otherwise at
+    the first record the training thread leaves to it), in the order records were emitted, so a
+    slow callback (a network logger) delays neither training nor saving. An exception in the callback is logged (the first with its traceback) and never
     reaches a save. `close()` delivers what is queued, then stops the thread.
     """
 
@@ -188,15 +193,20 @@ class MetricsSink:
         self._queue: queue.Queue[tuple[dict[str, Any], bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        if callback is not None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ckpt-metrics", daemon=True)
+                self._thread.start()
 
     def emit(self, record: dict[str, Any], *, now: bool) -> None:
         if now:
             self._append(record)
         if self.callback is not None or not now:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="ckpt-metrics", daemon=True)
-                    self._thread.start()
+            self._start()
             self._queue.put((record, not now))
 
     def close(self) -> None:

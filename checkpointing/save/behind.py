@@ -7,12 +7,15 @@ other), so the write of the first chunks overlaps the copy of the later ones, an
 durable about one copy sooner. The pool's bytes in a handed-over range are not changed until
 `finish()` returns: the pool is reused only by the next save, which starts after this one.
 
+The thread's priority follows the save's (`cpu`, save/yielding.py).
+
 A failed write keeps its error; what is queued after it is skipped, and `finish()` raises it.
 """
 
 from __future__ import annotations
 
 from checkpointing.save.serial import SerialThread
+from checkpointing.save.yielding import CpuYield
 from checkpointing.storage import StreamWriter
 
 
@@ -27,13 +30,13 @@ def write_range(stream: StreamWriter, view: memoryview, start: int, end: int, bl
 class WriteBehind:
     """Writes ranges of `view` to `stream` on a background thread, in the order they are put."""
 
-    def __init__(self, stream: StreamWriter, view: memoryview, write_block: int) -> None:
+    def __init__(self, stream: StreamWriter, view: memoryview, write_block: int, *, cpu: CpuYield | None = None) -> None:
         self._stream = stream
         self._view = view
         self._block = write_block
         self._error: BaseException | None = None
         self._dropped = False
-        self._thread: SerialThread[tuple[int, int]] = SerialThread("ckpt-write", self._write)
+        self._thread: SerialThread[tuple[int, int]] = SerialThread("ckpt-write", self._write, cpu=cpu)
 
     def put(self, start: int, end: int) -> None:
         """Write pool bytes [start, end) next."""

@@ -102,7 +102,7 @@ class SaveHandle:
 
     def _wait_done(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._job.outcome.done.wait(timeout):
+        if not self._job.outcome.wait(timeout):
             raise CheckpointTimeoutError(f"step {self.step} is not durable after {timeout} s; call wait() again or raise the timeout")
         upload = self._job.upload
         if upload is not None and not self._job.outcome.error:

@@ -46,7 +46,7 @@ class InFlight:
         errors (each once); whether there was anything to wait for."""
         prev = self.current
         if prev is not None:
-            prev.outcome.done.wait()
+            prev.outcome.wait()
             prev.raise_error()
         older = self.uploads[:-1]  # every upload but the newest: done on every rank once waited for
         for up in older:
@@ -62,7 +62,7 @@ class InFlight:
         deadline = None if timeout is None else time.monotonic() + timeout
         job = self.current
         if job is not None:
-            if not job.outcome.done.wait(timeout):
+            if not job.outcome.wait(timeout):
                 raise CheckpointTimeoutError(f"step {job.step} is not durable after {timeout} s; call wait() again or raise the timeout")
             job.raise_error()
         uploads = list(self.uploads)
@@ -84,7 +84,7 @@ class InFlight:
     def wait_local(self) -> None:
         """The newest save has finished on the local tier (its error stays for later)."""
         if self.current is not None:
-            self.current.outcome.done.wait()
+            self.current.outcome.wait()
 
     def wait_staged(self) -> None:
         """The newest save no longer reads live tensors."""

@@ -124,10 +124,11 @@ class Reverified:
 
 class SaveOutcome:
     """What became of the save. The ckpt-io thread writes it: `pin` (the writer, while writing),
-    `written`, `manifest`, `manifest_digest` and `t_committed` (the worker, from what the coordinator
-    returns), then `done`; `reverified` (the worker, before the write). `error` is the worker's (or save()'s, for a save that failed inside it);
-    `stats` is the SaveRecords' (save/records.py); whoever raises or logs the error sets
-    `error_reported`."""
+    `written`, `manifest`, `manifest_digest`, `t_committed` and `yielded_s` (the worker, from what
+    the coordinator returns), then `done`; `reverified` (the worker, before the write); `hurry` (the
+    worker, when the job is submitted; `wait()` calls it). `error` is the worker's (or save()'s, for
+    a save that failed inside it); `stats` is the SaveRecords' (save/records.py); whoever raises or
+    logs the error sets `error_reported`. Waiters call `wait()`, not `done.wait()`."""
 
     def __init__(self) -> None:
         self.done = threading.Event()  # committed locally or failed; the next save may start
@@ -140,6 +141,14 @@ class SaveOutcome:
         self.stats: SaveStats | None = None  # once recorded; replaced when its step fields are final
         self.error: BaseException | None = None
         self.error_reported = False
+        self.yielded_s: float | None = None  # the worker's: seconds its threads gave the CPU away (save/yielding.py)
+        self.hurry: Callable[[], None] | None = None  # the worker's (at submit): ends that yielding
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until `done` (False on timeout). A save waited for stops yielding the CPU (save/yielding.py)."""
+        if not self.done.is_set() and self.hurry is not None:
+            self.hurry()
+        return self.done.wait(timeout)
 
 
 @dataclasses.dataclass(eq=False)

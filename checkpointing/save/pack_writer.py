@@ -39,14 +39,17 @@ from checkpointing.save.behind import WriteBehind, write_range
 from checkpointing.save.job import SaveInputs, Staging
 from checkpointing.save.staging import Copier, StagingPool
 from checkpointing.save.writewatch import written_pieces
+from checkpointing.save.yielding import CpuYield
 from checkpointing.storage import StreamWriter
 
 
 class PackWriter:
     """Copies a plan's chunks into the pool, digests them, and writes the pack file (see the module)."""
 
-    def __init__(self, inputs: SaveInputs, staging: Staging, pool: StagingPool, write_block: int, base: Match | None) -> None:
+    def __init__(self, inputs: SaveInputs, staging: Staging, pool: StagingPool, write_block: int, base: Match | None,
+                 *, cpu: CpuYield | None = None) -> None:
         self.inputs = inputs
+        self.cpu = cpu  # the write-behind thread's priority follows the save's (save/yielding.py)
         self.staging = staging  # this object writes its events and t_staged
         self.plan = inputs.plan
         self.pool = pool
@@ -71,7 +74,7 @@ class PackWriter:
     def open(self, stream: StreamWriter, *, behind: bool = False) -> None:
         self.stream = stream
         if behind:
-            self.behind = WriteBehind(stream, self.pool.view, self.write_block)
+            self.behind = WriteBehind(stream, self.pool.view, self.write_block, cpu=self.cpu)
 
     def close(self) -> None:
         self.finish_behind()

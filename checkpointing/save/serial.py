@@ -2,7 +2,8 @@
 
 The save worker (ckpt-io) and the uploader (ckpt-upload) each own one: items are handed over with
 `put`, `close` lets the items queued so far run and then joins the thread. The handler must not
-raise (each keeps its errors on the job it runs).
+raise (each keeps its errors on the job it runs). With `cpu` (save/yielding.py) the thread's
+priority follows the save's: lowered once a snapshot is staged, raised when something waits.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ import queue
 import threading
 from typing import Callable, Generic, TypeVar
 
+from checkpointing.save.yielding import CpuYield
+
 Item = TypeVar("Item")
 
 
 class SerialThread(Generic[Item]):
     """A daemon thread named `name` calling `handle(item)` for each item put, in order."""
 
-    def __init__(self, name: str, handle: Callable[[Item], None]) -> None:
+    def __init__(self, name: str, handle: Callable[[Item], None], *, cpu: CpuYield | None = None) -> None:
         self._handle = handle
+        self._cpu = cpu
         self._queue: queue.Queue[Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -36,8 +40,14 @@ class SerialThread(Generic[Item]):
         self._thread.join()
 
     def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._handle(item)
+        if self._cpu is not None:
+            self._cpu.enter()
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                self._handle(item)
+        finally:
+            if self._cpu is not None:
+                self._cpu.leave()

@@ -34,6 +34,7 @@ from checkpointing.save.scrub import Reverifier
 from checkpointing.save.staging import StagingPool
 from checkpointing.save.uploader import PendingUploads, Uploader
 from checkpointing.save.writer import run_save
+from checkpointing.save.yielding import CpuYield
 from checkpointing.storage import LocalStorage
 from checkpointing.tier import catalog, collect, pins
 
@@ -125,17 +126,21 @@ class SaveWorker:
                  write_block: int, incremental: bool, records: SaveRecords, retention: LocalRetention,
                  uploader: Uploader | None, reverify_every: int | None = scrub.DEFAULT_EVERY,
                  reverify_bytes_per_s: float = scrub.DEFAULT_BYTES_PER_S,
-                 after_local: Callable[[int, int, Manifest | None], None] | None = None) -> None:
+                 after_local: Callable[[int, int, Manifest | None], None] | None = None,
+                 yield_s: float | None = None) -> None:
         self._storage, self._pool, self._coord = storage, pool, coord
+        self._cpu = CpuYield(yield_s)  # background_yield_s: this thread and the write-behind ones (save/yielding.py)
         self._after_local = after_local  # (seq, step, committed manifest or None): peer copies (checkpointing/peer/)
         self._write_block, self._incremental = write_block, incremental
         self._records, self._retention, self._uploader = records, retention, uploader
         self._base: ReuseBase | None = None
-        self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run)
+        self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run, cpu=self._cpu)
         self._scrub = Reverifier(storage, every=reverify_every if incremental else None, bytes_per_s=reverify_bytes_per_s,
                                  busy=self._thread.pending)
 
     def submit(self, job: SaveJob) -> None:
+        job.outcome.hurry = self._cpu.hurry
+        self._cpu.hurry()  # the copy at normal priority (the guard waits for it), and what the thread still does for the previous save before it
         self._thread.put(job)
         self._scrub.interrupt()  # a paced re-verification stops waiting: this save goes first
 
@@ -174,17 +179,21 @@ class SaveWorker:
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until local retention removed the files of the steps it retired; False on timeout."""
+        self._cpu.hurry()
         return self._retention.settle(timeout)
 
     def close(self) -> None:
         """Stop the thread once the saves submitted so far have run."""
+        self._cpu.hurry()
         self._thread.close()
+        self._cpu.close()
 
     def _run(self, job: SaveJob) -> None:
         """Write this rank's part, commit through the coordinator, retain, record. Never raises."""
         outcome = job.outcome
         if outcome.error is None:  # not a save that failed inside save(): it is recorded
             outcome.reverified = self._scrub.take_counts()
+        self._cpu.committed()  # not this save's: the time low after the previous one
         base = self._scrub.screen(job.inputs.base)
         if base is not job.inputs.base:
             job.inputs = dataclasses.replace(job.inputs, base=base)
@@ -214,7 +223,8 @@ class SaveWorker:
         try:
             if job.outcome.error is not None:
                 raise job.outcome.error  # it failed inside save(): the other ranks must hear of it
-            part, written = run_save(job, self._pool, self._storage, write_block=self._write_block, rank=coord.rank, exchange=coord)
+            part, written = run_save(job, self._pool, self._storage, write_block=self._write_block, rank=coord.rank, exchange=coord,
+                                     cpu=self._cpu)
             job.outcome.written = written
         except BaseException as exc:
             job.staging.release()
@@ -228,6 +238,8 @@ class SaveWorker:
             raise
         job.outcome.manifest, job.outcome.manifest_digest = committed.manifest, committed.digest
         job.outcome.t_committed = time.perf_counter()
+        low = self._cpu.committed()
+        job.outcome.yielded_s = low if self._cpu.enabled else None
         plan = job.inputs.plan
         if self._incremental and written.refs and not plan.ring:
             self._base = base_after_save(plan, self._pool.allocations, job.outcome.manifest, job.outcome.manifest_digest,

@@ -26,13 +26,15 @@ from checkpointing.plan.reuse import PlaceKey, ReuseBase, shard_place
 from checkpointing.save.job import SaveInputs, SaveJob, WriteResult
 from checkpointing.save.pack_writer import PackWriter
 from checkpointing.save.staging import StagingPool
+from checkpointing.save.yielding import CpuYield
 from checkpointing.storage import LocalStorage
 
 
 def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_block: int, rank: int,
-             exchange: Exchange) -> tuple[RankPart, WriteResult]:
+             exchange: Exchange, cpu: CpuYield | None = None) -> tuple[RankPart, WriteResult]:
     """Stage and write this rank's part of `job`; returns its report and what the write produced.
-    Removes the partial pack on failure.
+    Removes the partial pack on failure. Once every chunk is staged, the threads doing the rest
+    yield the CPU to the training loop (`cpu`, save/yielding.py) until something waits for the save.
 
     Before the pack file exists the rank pins the step (tier/pins.py): a concurrent `gc` then leaves the
     step's directory and every file the save takes chunks from alone.
@@ -47,9 +49,9 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     pool.ensure(plan.pool_bytes, pinned=inputs.start_event is not None)  # save() records it for CUDA state
     keys = placement_keys(inputs)
     match = base.against(plan, pool.allocations, keys) if base is not None else None
-    pack = PackWriter(inputs, job.staging, pool, write_block, match)
+    pack = PackWriter(inputs, job.staging, pool, write_block, match, cpu=cpu)
     try:
-        _stage(job, pack, storage, pack_path, rank)
+        _stage(job, pack, storage, pack_path, rank, cpu)
         by_leaf = pack.placements_by_leaf()
         digests = [leaf_digest(dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape), [pack.digests[i] for i in by_leaf[n]])
                    for n, leaf in enumerate(inputs.flat.leaves)]
@@ -71,16 +73,19 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     return _part(inputs, rank, pack_path, pack, refs, by_leaf, digests, stored), written
 
 
-def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str, rank: int) -> None:
+def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str, rank: int, cpu: CpuYield | None) -> None:
     """Pin the step, stage and digest every chunk, and open the pack file: before staging with a
     ring (it writes as it stages); otherwise once the eager chunks are staged, so that the chunks
-    this rank surely writes go to the file while the later ones are still being copied."""
+    this rank surely writes go to the file while the later ones are still being copied. The digests
+    run yielding (`cpu`): nothing waits for them once the guard's copies are done."""
     inputs, outcome = job.inputs, job.outcome
     base = inputs.base
     if inputs.plan.ring:
         outcome.pin = pins.write_pin(storage, inputs.step, rank, inputs.token, [])
         pack.open(storage.open_stream(pack_path))
         pack.stage()
+        if cpu is not None:
+            cpu.lower()
         pack.digest_upto(inputs.plan.pack_bytes)
         return
 
@@ -91,6 +96,8 @@ def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str
         pack.open(storage.open_stream(pack_path), behind=True)
 
     pack.stage(opened)
+    if cpu is not None:
+        cpu.lower()
     pack.digest_upto(inputs.plan.pack_bytes)
 
 

@@ -238,7 +238,7 @@ class Preemption:
 
     def _wait_local(self, job: SaveJob) -> None:
         outcome = job.outcome
-        if not outcome.done.wait(self.remaining()):
+        if not outcome.wait(self.remaining()):
             log.error("checkpointing: step %d is not committed locally within the grace period", job.step)
         elif outcome.error is not None:
             log.error("checkpointing: the save of step %d failed: %s; the newest committed step is intact", job.step, outcome.error)
