@@ -9,7 +9,8 @@ of the chunks the step borrows is re-verified (save/scrub.py), while no save wai
 ckpt-upload thread (uploader.py) after each upload: record the stats (metrics.jsonl, log line),
 then local retention again (the step may now be pruned locally). `LocalRetention` is keep_local on
 this rank's local tier, for both. None of them ever raises: errors are kept on the jobs and raised
-at the next save()/wait().
+at the next save()/wait(). Once a save is staged, the ckpt-io thread (and the write-behind one)
+yield the CPU to the training loop until something waits for the save (save/yielding.py).
 """
 
 from __future__ import annotations

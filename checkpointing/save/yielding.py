@@ -78,7 +78,7 @@ class CpuYield:
         self.after_s = after_s
         self.enabled = after_s is not None and can_yield()
         self._lock = threading.Lock()
-        self._tids: set[int] = set()  # registered threads at SCHED_OTHER when they entered
+        self._tids: set[int] = set()  # registered threads (native ids), each at SCHED_IDLE while low, else SCHED_OTHER
         self._low_since: float | None = None  # perf_counter of lower(), while low
         self._low_s = 0.0  # seconds spent low since committed()
         self._timer: threading.Timer | None = None
