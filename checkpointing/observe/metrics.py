@@ -182,8 +182,9 @@ class MetricsSink:
     runs on the sink's thread ("ckpt-metrics": started here when there is a callback, so that it
     never inherits the CPU priority of a yielding background thread, save/yielding.py; otherwise at
     the first record the training thread leaves to it), in the order records were emitted, so a
-    slow callback (a network logger) delays neither training nor saving. An exception in the callback is logged (the first with its traceback) and never
-    reaches a save. `close()` delivers what is queued, then stops the thread.
+    slow callback (a network logger) delays neither training nor saving. An exception in the
+    callback is logged (the first with its traceback) and never reaches a save. `close()` delivers
+    what is queued, then stops the thread.
     """
 
     def __init__(self, path: os.PathLike | str, callback: Callable[[dict[str, Any]], Any] | None = None) -> None:

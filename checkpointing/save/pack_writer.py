@@ -49,7 +49,7 @@ class PackWriter:
     def __init__(self, inputs: SaveInputs, staging: Staging, pool: StagingPool, write_block: int, base: Match | None,
                  *, cpu: CpuYield | None = None) -> None:
         self.inputs = inputs
-        self.cpu = cpu  # the write-behind thread's priority follows the save's (save/yielding.py)
+        self.cpu = cpu  # lowered once every chunk is staged; the write-behind thread follows it (save/yielding.py)
         self.staging = staging  # this object writes its events and t_staged
         self.plan = inputs.plan
         self.pool = pool
@@ -134,6 +134,8 @@ class PackWriter:
         staging.staged_event = self.copier.last_event()
         staging.t_staged = time.perf_counter()
         staging.staged.set()
+        if self.cpu is not None:
+            self.cpu.lower()  # nothing waits for what follows (digests, writes, commit): save/yielding.py
 
     def _staged(self, i: int, compare: bool) -> None:
         """Pipelined: chunk i is in the pool; queue it for the write-behind thread when this rank

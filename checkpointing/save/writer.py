@@ -51,7 +51,7 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     match = base.against(plan, pool.allocations, keys) if base is not None else None
     pack = PackWriter(inputs, job.staging, pool, write_block, match, cpu=cpu)
     try:
-        _stage(job, pack, storage, pack_path, rank, cpu)
+        _stage(job, pack, storage, pack_path, rank)
         by_leaf = pack.placements_by_leaf()
         digests = [leaf_digest(dtype_name(leaf.tensor.dtype), tuple(leaf.tensor.shape), [pack.digests[i] for i in by_leaf[n]])
                    for n, leaf in enumerate(inputs.flat.leaves)]
@@ -73,19 +73,17 @@ def run_save(job: SaveJob, pool: StagingPool, storage: LocalStorage, *, write_bl
     return _part(inputs, rank, pack_path, pack, refs, by_leaf, digests, stored), written
 
 
-def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str, rank: int, cpu: CpuYield | None) -> None:
+def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str, rank: int) -> None:
     """Pin the step, stage and digest every chunk, and open the pack file: before staging with a
     ring (it writes as it stages); otherwise once the eager chunks are staged, so that the chunks
     this rank surely writes go to the file while the later ones are still being copied. The digests
-    run yielding (`cpu`): nothing waits for them once the guard's copies are done."""
+    run yielding (PackWriter.stage lowers the threads once every chunk is staged)."""
     inputs, outcome = job.inputs, job.outcome
     base = inputs.base
     if inputs.plan.ring:
         outcome.pin = pins.write_pin(storage, inputs.step, rank, inputs.token, [])
         pack.open(storage.open_stream(pack_path))
         pack.stage()
-        if cpu is not None:
-            cpu.lower()
         pack.digest_upto(inputs.plan.pack_bytes)
         return
 
@@ -96,8 +94,6 @@ def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str
         pack.open(storage.open_stream(pack_path), behind=True)
 
     pack.stage(opened)
-    if cpu is not None:
-        cpu.lower()
     pack.digest_upto(inputs.plan.pack_bytes)
 
 
