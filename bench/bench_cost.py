@@ -75,6 +75,8 @@ KNOBS = {
     "ours_budget64m": ({"staging_budget_bytes": 64 * MiB}, {}),
     "ours_idle": ({}, {"io_policy": "idle"}),
     "ours_noyield": ({"background_yield_s": None}, {}),
+    "ours_keepall": ({"keep_local": None}, {}),  # no retention: no file is deleted (DCP's runs delete none either)
+    "ours_nospares": ({}, {"spares": False}),  # retired pack files deleted, never written over (the code before spares)
     "ours_threads1": ({}, {"threads": 1}),
     "floor_idle": (None, {"io_policy": "idle"}),
 }
@@ -109,7 +111,7 @@ def make_saver(key: str, tr, root: str, P):
 
         def setup(self):
             from checkpointing import CheckpointManager
-            self.mgr = CheckpointManager(self.root, keep_local=2, snapshot=self.snapshot, **self.options)
+            self.mgr = CheckpointManager(self.root, **{"keep_local": 2, "snapshot": self.snapshot, **self.options})
 
         def save(self, step):
             t0 = now()
@@ -345,6 +347,9 @@ def child_main(P) -> int:
     extra = KNOBS.get(key, (None, {}))[1]
     rank, world = int(os.environ.get("BENCH_RANK", "0")), P.ranks if key != "floors" else 1
     torch.set_num_threads(extra.get("threads", max(1, P.threads // world)))
+    if extra.get("spares") is False:  # attribution: retention deletes every retired pack file, as before spares
+        from checkpointing.storage.local import LocalStorage
+        LocalStorage.keep_spare = lambda self, path, limit: False
     if world > 1:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank, world_size=world)
@@ -1047,19 +1052,23 @@ def markdown(res: dict) -> str:
     L.append("\n**The training threads' view** (extras per save against the no-save steps, seconds unless named): "
              "the loop thread's extra step time splits into its extra CPU time (its own work slower, page faults, "
              "OpenMP spinning), its extra run-queue wait (a CPU taken by another thread) and its extra blocked time "
-             "(asleep: the GIL, the save call's and the guard's waits, a futex in an OpenMP barrier); the same for "
-             "torch's intra-op threads; voluntary context switches of the loop thread count its sleeps. Over the "
+             "(asleep: the GIL, the save call's and the guard's waits, a futex in an OpenMP barrier; and, on a "
+             "virtual machine, time the hypervisor gave the thread's virtual CPU to other work: the kernel's "
+             "clock leaves stolen time out of both CPU and run-queue time); the same for "
+             "torch's intra-op threads; voluntary context switches of the loop thread count its sleeps; the "
+             "machine's steal (all virtual CPUs, from /proc/stat) is the part of that the host took, e.g. to "
+             "carry out the save's disk I/O. Over the "
              f"steps of the primary estimator ({ESTIMATORS[prim]}).\n")
     L.append("| config | loop thread: CPU | run-queue wait | blocked | sleeps (vcsw) | minor faults | intra-op: CPU | "
-             "run-queue wait | blocked | ckpt threads + children CPU-s | their run-queue wait |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "run-queue wait | blocked | machine steal (vCPU-s) | ckpt threads + children CPU-s | their run-queue wait |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, c in res["configs"].items():
         if not c.get("est"):
             continue
         c = c["calm"] if prim == "calm" and c.get("calm") else c
         L.append(f"| {k} | {f(c['train_cpu_s'])} | {f(c['train_wait_s'])} | {f(c.get('train_blocked_s'))} | "
                  f"{c['train_vcsw']:.0f} | {c['train_minflt']:.0f} | {f(c['intra_cpu_s'])} | {f(c['intra_wait_s'])} | "
-                 f"{f(c.get('intra_blocked_s'))} | {f(c['ckpt_cpu_s'] + c['child_cpu_s'])} | {f(c['ckpt_wait_s'])} |")
+                 f"{f(c.get('intra_blocked_s'))} | {f(c.get('steal_s'))} | {f(c['ckpt_cpu_s'] + c['child_cpu_s'])} | {f(c['ckpt_wait_s'])} |")
     L.append("\nNo-save step time per config (mean ± sd, the reference of its own overheads): " + "; ".join(
         f"{k} {f(c.get('step_quiet_mean_s'))} ± {f(c.get('step_quiet_sd_s'))} (n={c.get('n_quiet')})"
         for k, c in res["configs"].items() if "error" not in c) + ".\n")

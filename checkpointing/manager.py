@@ -152,8 +152,9 @@ class CheckpointManager:
         self._records = SaveRecords(self._acct, self._pool, rank=self.rank, world_size=self.world_size, local=str(self.directory),
                                     remote=self._remote_url())
         pending = PendingUploads()
+        writers = sum(1 for tier in coord.tiers if tier == coord.tiers[self.rank])  # ranks writing pack files to this tier
         retention = LocalRetention(self.storage, options.local_retention, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending,
-                                   held=self._peers.held)
+                                   held=self._peers.held, spares=writers)
         self._uploader: Uploader | None = None
         if self.remote_storage is not None and not options.read_only:  # collective: the ranks agree on interrupted uploads to resume
             self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.remote_retention,

@@ -258,7 +258,7 @@ def verify(args: argparse.Namespace, console: Console) -> int:
 def gc(args: argparse.Namespace, console: Console) -> int:
     """Remove (--dry-run: list) what no committed step references, saying why each is removed or left."""
     storage = open_target(args.dir, args.storage_option)
-    options = dict(min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, measure=True)
+    options = dict(min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, measure=True, drop_spares=True)
     if args.dry_run:
         result = collect.collect(storage, dry_run=True, **options)
     else:  # removing: only under the directory's writer lock (a manager writing there holds it: tidying is its job then)
@@ -267,7 +267,7 @@ def gc(args: argparse.Namespace, console: Console) -> int:
         except CheckpointError as exc:
             raise fmt.CommandFailed(f"{exc}; `checkpointing gc --dry-run` needs no lock") from None
         try:
-            total = len(collect.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s).garbage)
+            total = len(collect.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, drop_spares=True).garbage)
             with Bar(console, "removing", total) as bar:
                 result = collect.collect(storage, on_delete=lambda g: bar.advance(), **options)
         finally:

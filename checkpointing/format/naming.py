@@ -4,6 +4,7 @@
     <root>/step-0000000010/manifest.<token>.json   canonical JSON manifest
     <root>/step-0000000010/COMMIT                  commit marker, written last
     <root>/metrics.jsonl                            one JSON line per save
+    <root>/spares/<token>.pack                      a retired pack file kept to be written over by the next save
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ COMMIT_NAME = "COMMIT"
 METRICS_NAME = "metrics.jsonl"
 MAX_STEP = 10**STEP_DIGITS - 1
 
+SPARES_DIR = "spares"  # local tier only: retired pack files the next saves write over (docs/format.md)
+
 _STEP_DIR = re.compile(r"^step-(\d{10})$")
+_PACK = re.compile(r"^r\d{5}\.[0-9a-f]+\.pack$")
+_SPARE = re.compile(r"^[0-9a-f]+\.pack$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
@@ -48,6 +53,20 @@ def new_token() -> str:
 
 def pack_name(step: int, rank: int, token: str) -> str:
     return f"{step_dir(step)}/r{rank:05d}.{token}.pack"
+
+
+def is_pack(name: str) -> bool:
+    """Whether a file name in a step directory is a rank's pack file (pack_name's last part)."""
+    return _PACK.fullmatch(name) is not None
+
+
+def spare_name(token: str) -> str:
+    return f"{SPARES_DIR}/{token}.pack"
+
+
+def is_spare(name: str) -> bool:
+    """Whether a name in the spares directory is one this library gives a spare pack file."""
+    return _SPARE.fullmatch(name) is not None
 
 
 def manifest_name(step: int, token: str) -> str:

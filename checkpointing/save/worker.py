@@ -49,8 +49,10 @@ class LocalRetention:
     on the ckpt-upload thread after an upload, one at a time."""
 
     def __init__(self, storage: LocalStorage, keep: RetentionPolicy | None, *, enabled: bool, in_flight: Callable[[], set[int]],
-                 pending: PendingUploads | None, held: Callable[[], set[int]] | None = None) -> None:
+                 pending: PendingUploads | None, held: Callable[[], set[int]] | None = None, spares: int = 1) -> None:
         self._storage, self._keep, self._enabled = storage, keep, enabled
+        self._spares = spares  # retired pack files kept for the next saves to write over: one per rank writing here
+        self._kept_spares = False
         self._in_flight, self._pending, self._held = in_flight, pending, held  # held: steps being copied to peers
         self._lock = threading.Lock()
         self._collected = threading.Event()  # clear from a retirement until its files are removed
@@ -69,11 +71,27 @@ class LocalRetention:
             return
         try:
             with self._lock:
-                collect.collect_retired(self._storage, in_flight=self._in_flight())
+                collect.collect_retired(self._storage, in_flight=self._in_flight(), spare=self._keep_spare)
         except Exception as exc:  # retried after the next commit; never stop the thread
             log.warning("checkpointing: removing retired steps' files failed: %s", exc)
         finally:
             self._collected.set()
+
+    def _keep_spare(self, path: str) -> bool:
+        kept = self._spares > 0 and self._storage.keep_spare(path, self._spares)
+        self._kept_spares |= kept
+        return kept
+
+    def drop_spares(self) -> None:
+        """No more saves from this manager: the spare pack files it kept go (the tier holds only
+        checkpoints again). One that saved nothing leaves alone what another process keeps there."""
+        if not self._kept_spares:
+            return
+        with self._lock:
+            for name in self._storage.list(naming.SPARES_DIR):
+                if naming.is_spare(name):
+                    self._storage.delete(f"{naming.SPARES_DIR}/{name}")
+            self._storage.remove_dir(naming.SPARES_DIR)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the files of every retired step are removed (mgr.wait(), delete()); False on timeout."""
@@ -184,10 +202,14 @@ class SaveWorker:
         return self._retention.settle(timeout)
 
     def close(self) -> None:
-        """Stop the thread once the saves submitted so far have run."""
+        """Stop the thread once the saves submitted so far have run; the spare pack files go."""
         self._cpu.hurry()
         self._thread.close()
         self._cpu.close()
+        try:
+            self._retention.drop_spares()
+        except OSError as exc:  # only space is at stake: `checkpointing gc` removes them too
+            log.warning("checkpointing: could not remove the spare pack files in %s: %s", self._storage.root, exc)
 
     def _run(self, job: SaveJob) -> None:
         """Write this rank's part, commit through the coordinator, retain, record. Never raises."""

@@ -82,7 +82,7 @@ def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str
     base = inputs.base
     if inputs.plan.ring:
         outcome.pin = pins.write_pin(storage, inputs.step, rank, inputs.token, [])
-        pack.open(storage.open_stream(pack_path))
+        pack.open(storage.open_stream(pack_path, spare=True))
         pack.stage()
         pack.digest_upto(inputs.plan.pack_bytes)
         return
@@ -91,7 +91,7 @@ def _stage(job: SaveJob, pack: PackWriter, storage: LocalStorage, pack_path: str
         outcome.pin = pins.write_pin(storage, inputs.step, rank, inputs.token, sorted(base.files) if base else [])
         if base is not None and not (pins.still_committed(storage, base.step, base.manifest_digest) and _present(storage, base)):
             pack.borrowable = False  # the step was deleted meanwhile, or lost a file: its chunks may be gone
-        pack.open(storage.open_stream(pack_path), behind=True)
+        pack.open(storage.open_stream(pack_path, spare=True), behind=True)  # over a retired pack file if one is kept
 
     pack.stage(opened)
     pack.digest_upto(inputs.plan.pack_bytes)

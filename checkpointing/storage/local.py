@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from checkpointing.errors import CheckpointCorruptError
+from checkpointing.format import naming
 from checkpointing.format.naming import new_token
 from checkpointing.storage import base
 
@@ -175,8 +176,61 @@ class LocalStorage:
         with self._dir(path, create=True):
             pass
 
-    def open_stream(self, path: str) -> "_LocalStream":
-        return _LocalStream(self._abs(path), direct=self.direct, fsync=self.fsync, create=self._create)
+    def open_stream(self, path: str, *, spare: bool = False) -> "_LocalStream":
+        """A new object at `path`, written sequentially. `spare`: write over a spare pack file
+        (keep_spare) if one is there, moved to `path`, instead of a new file: no blocks to allocate,
+        and none were freed (on a filesystem mounted with online discard, freeing a large file costs
+        the device a good part of a second, and on a virtual machine the host's CPU)."""
+        reused = self._take_spare(path) if spare else False
+        return _LocalStream(self._abs(path), direct=self.direct, fsync=self.fsync, create=self._create, reused=reused)
+
+    def keep_spare(self, path: str, limit: int) -> bool:
+        """Move the file `path` (a retired pack nothing references) to spares/ for a later
+        open_stream(spare=True) to write over, unless `limit` spares are there already; False when
+        it was not moved (then delete it). Only a regular file with no other link is kept."""
+        parent, name = self._split(path)
+        try:
+            with self._dir(naming.SPARES_DIR, create=True) as sfd:
+                if sum(1 for n in os.listdir(sfd) if naming.is_spare(n)) >= limit:
+                    return False
+                with self._dir(parent) as dfd:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                        return False
+                    os.rename(name, naming.spare_name(new_token()).rpartition("/")[2], src_dir_fd=dfd, dst_dir_fd=sfd)
+                    if self.fsync:
+                        os.fsync(sfd)
+                        os.fsync(dfd)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def _take_spare(self, path: str) -> bool:
+        """Move a spare pack file to `path` (a new name: pack names carry a fresh token); whether one
+        was taken. Another process may take the same spare first (its rename wins), or the spares
+        directory hold what this library did not put there: a link, a FIFO, a file with other links
+        (a hard link to something else) is left where it is and never written."""
+        parent, name = self._split(path)
+        try:
+            with self._dir(naming.SPARES_DIR) as sfd:
+                candidates = sorted(n for n in os.listdir(sfd) if naming.is_spare(n))
+                if not candidates:
+                    return False
+                with self._dir(parent, create=True) as dfd:
+                    for n in candidates:
+                        try:
+                            st = os.stat(n, dir_fd=sfd, follow_symlinks=False)
+                            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                                continue
+                            os.rename(n, name, src_dir_fd=sfd, dst_dir_fd=dfd)
+                        except FileNotFoundError:
+                            continue  # taken by another writer meanwhile
+                        if self.fsync:
+                            os.fsync(dfd)
+                        return True
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return False
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
         parent, name = self._split(path)
@@ -285,22 +339,46 @@ class LocalStorage:
 
 
 class _LocalStream:
-    def __init__(self, path: Path, *, direct: bool, fsync: bool, create: Any) -> None:
+    """One pack file written front to back: a new file, or (`reused`) a spare pack file already
+    moved to `path`, written over from its start and cut to the written length at close."""
+
+    def __init__(self, path: Path, *, direct: bool, fsync: bool, create: Any, reused: bool = False) -> None:
         self.path = path
         self.fsync = fsync
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        self.fd = -1
-        self.alignment = 1
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = create(path, flags | os.O_DIRECT)
-                self.alignment = DIRECT_ALIGN
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-        if self.fd < 0:
-            self.fd = create(path, flags)
         self.offset = 0
+        self.fd = -1
+        self.reused = reused and self._open(create, direct, os.O_WRONLY | os.O_NONBLOCK)  # a FIFO there: no wait for a reader
+        if not self.reused:
+            if reused:  # not what it should be (replaced meanwhile): removed, never written through
+                path.unlink(missing_ok=True)
+            self._open(create, direct, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+
+    def _open(self, create: Any, direct: bool, flags: int) -> bool:
+        """Open the file (O_DIRECT where the filesystem takes it); without O_CREAT, False unless it is
+        a regular file with no other link."""
+        self.alignment = 1
+        try:
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    self.fd = create(self.path, flags | os.O_DIRECT)
+                    self.alignment = DIRECT_ALIGN
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+            if self.fd < 0:
+                self.fd = create(self.path, flags)
+        except OSError:
+            if flags & os.O_CREAT:
+                raise
+            return False
+        if not flags & os.O_CREAT:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                os.close(self.fd)
+                self.fd = -1
+                return False
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return True
 
     def write(self, data: memoryview) -> None:
         if self.alignment > 1 and len(data) % self.alignment:
@@ -315,6 +393,8 @@ class _LocalStream:
 
     def close(self) -> None:
         try:
+            if self.reused:
+                os.ftruncate(self.fd, self.offset)  # what a longer spare held past the new end goes
             if self.fsync:
                 os.fsync(self.fd)
         finally:

@@ -65,6 +65,8 @@ def collect(
     measure: bool = False,
     scan_committed: bool = True,
     on_delete: Callable[[Garbage], object] | None = None,
+    spare: Callable[[str], bool] | None = None,
+    drop_spares: bool = False,
 ) -> Collected:
     """Retire the committed steps `retire`, then remove every file on the tier that nothing needs.
 
@@ -73,7 +75,10 @@ def collect(
     A pin older than `pin_ttl_s` is taken for a crashed writer's (None: every pin holds).
     `measure`: report sizes (one request per file on object stores). `scan_committed`: also
     remove files inside committed steps' directories that nothing references (stale pins, a losing
-    writer's files, temporaries); retention after a save skips that scan.
+    writer's files, temporaries); retention after a save skips that scan. `spare`: offered each
+    pack file of a retired step before it is deleted; True when it kept the file instead (as a
+    spare for the next save to write over: LocalStorage.keep_spare). `drop_spares`: also remove the
+    spare pack files (`checkpointing gc`, which holds the directory's writer lock).
     """
     ages = _Ages(storage, time.time() if now is None else now, min_age_s, pin_ttl_s)
     retire = sorted(set(retire))
@@ -90,7 +95,7 @@ def collect(
     out.pinned, out.problems = pins.pinned, pins.problems + refs.problems
     if out.problems:  # a step we cannot read may reference anything: delete no data
         return out
-    sweep = _Sweep(storage, out, ages, pins.live | refs.live, dry_run=dry_run, measure=measure, on_delete=on_delete)
+    sweep = _Sweep(storage, out, ages, pins.live | refs.live, dry_run=dry_run, measure=measure, on_delete=on_delete, spare=spare)
     for s in uncommitted:  # G5: delete what nothing needs
         if s in pins.pinned or s in refs.own:  # pinned, or committed since G2
             continue
@@ -99,6 +104,8 @@ def collect(
     for s in committed if scan_committed else ():
         if s in refs.own:
             sweep.committed_step(s, refs.own[s])
+    if drop_spares:
+        sweep.spares()
     return out
 
 
@@ -207,14 +214,17 @@ class _Sweep:
     """G5: delete (a dry run: only report) the files nothing needs, recording each in `out`."""
 
     def __init__(self, storage: Storage, out: Collected, ages: _Ages, live: frozenset[str], *, dry_run: bool,
-                 measure: bool, on_delete: Callable[[Garbage], object] | None) -> None:
+                 measure: bool, on_delete: Callable[[Garbage], object] | None, spare: Callable[[str], bool] | None = None) -> None:
         self.storage, self.out, self.ages, self.live = storage, out, ages, live
-        self.dry_run, self.measure, self.on_delete = dry_run, measure, on_delete
+        self.dry_run, self.measure, self.on_delete, self.spare = dry_run, measure, on_delete, spare
 
     def drop(self, path: str, reason: str) -> None:
         nbytes = _size(self.storage, path) if self.measure else 0
         if not self.dry_run:
-            self.storage.delete(path)
+            if self.spare is not None and naming.is_pack(path.rpartition("/")[2]) and self.spare(path):
+                reason += "; kept as a spare pack file for the next save to write over"
+            else:
+                self.storage.delete(path)
         self.out.garbage.append(Garbage(path, nbytes, reason))
         if self.on_delete is not None:
             self.on_delete(self.out.garbage[-1])
@@ -235,6 +245,17 @@ class _Sweep:
             self.out.kept[step] = kept
         elif not self.dry_run and not self.ages.young(sdir):
             self.storage.remove_dir(sdir)
+
+    def spares(self) -> None:
+        """The spare pack files (LocalStorage.keep_spare): nothing references them; a writer about to
+        take one finds it gone and writes a new file."""
+        names = self.storage.list(naming.SPARES_DIR)
+        for n in names:
+            path = f"{naming.SPARES_DIR}/{n}"
+            if not self.ages.young(path):
+                self.drop(path, "spare pack file (kept for the next save to write over)")
+        if names and not self.dry_run:
+            self.storage.remove_dir(naming.SPARES_DIR)
 
     def committed_step(self, step: int, own: set[str]) -> None:
         """Files in a committed step's directory that neither it nor any live pin or manifest names."""
@@ -286,11 +307,13 @@ def retire_by_policy(storage: Storage, keep: int | RetentionPolicy | None, *, pr
     return doomed
 
 
-def collect_retired(storage: Storage, *, in_flight: Collection[int] = (), sweep: bool = False, where: str | None = None) -> None:
+def collect_retired(storage: Storage, *, in_flight: Collection[int] = (), sweep: bool = False, where: str | None = None,
+                    spare: Callable[[str], bool] | None = None) -> None:
     """apply_retention's second half: remove the files of retired (and other uncommitted) steps that
-    no committed step, pin or save in flight (`in_flight`) needs."""
+    no committed step, pin or save in flight (`in_flight`) needs (pack files `spare` keeps are moved
+    aside instead, see collect)."""
     try:
-        result = collect(storage, protect=in_flight, scan_committed=False)
+        result = collect(storage, protect=in_flight, scan_committed=False, spare=spare)
     except OSError as exc:
         if sweep:
             raise
