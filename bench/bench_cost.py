@@ -339,6 +339,41 @@ def set_io_policy(labels: Labels, policy: str) -> list:
     return done
 
 
+def per_step_md(res: dict, upto: int = 7) -> list[str]:
+    """Per config, the steps after each save() (+0 is the step that called it, at its end), means
+    over the saves: step time, the loop and intra-op threads' time asleep (wall - CPU - run-queue
+    wait), the loop thread's run-queue wait, the machine's steal and the checkpoint threads' CPU;
+    then the same for the steps with no save in flight."""
+    L = ["**Step by step after save()** (means over saves; s; asleep: loop / intra-op thread; steal: all vCPUs):\n",
+         "| config | step | n | step s | asleep s | run-queue wait s | machine steal vCPU-s | checkpoint threads CPU-s |",
+         "|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def cells(rows: list[dict]) -> str:
+        def mean(get) -> float:
+            return sum(get(r) for r in rows) / len(rows)
+        return (f"{len(rows)} | {mean(lambda r: r['dt']):.3f} | {mean(lambda r: r['cats']['train']['blocked_s']):.3f} / "
+                f"{mean(lambda r: r['cats']['intra']['blocked_s']):.3f} | {mean(lambda r: r['cats']['train']['wait_s']):.3f} | "
+                f"{mean(lambda r: r.get('steal_s', 0.0)):.3f} | {mean(lambda r: r['cats']['ckpt']['cpu_s']):.3f} |")
+
+    for key, raw in res.get("raw", {}).items():
+        by: dict[int, list[dict]] = {}
+        quiet: list[dict] = []
+        for run in raw.get("runs", []):
+            k = None
+            for row in run.get("rows", []):
+                k = 0 if row.get("save") else (k + 1 if k is not None else None)
+                if k is not None and k <= upto:
+                    by.setdefault(k, []).append(row)
+                elif not row.get("busy"):
+                    quiet.append(row)
+        if not by:
+            continue
+        L.extend(f"| {key} | +{k} | " + cells(by[k]) for k in sorted(by))
+        if quiet:
+            L.append(f"| {key} | later, nothing in flight | " + cells(quiet))
+    return L + [""]
+
+
 def child_main(P) -> int:
     import torch
     import bench_core as B
@@ -1082,6 +1117,7 @@ def markdown(res: dict) -> str:
         L.append(f"- {k}: " + "; ".join(bits) + f" (quiet step: train {f(c.get('train_cpu_s_quiet_mean'))} CPU-s, "
                  f"intra-op {f(c.get('intra_cpu_s_quiet_mean'))} CPU-s, train wait {f(c.get('train_wait_s_quiet_mean'))} s)")
     L.append("")
+    L.extend(per_step_md(res))
     perf = {k: c["perf"] for k, c in res["configs"].items() if c.get("perf")}
     if perf:
         L.append("**perf** (leaf frames sampled at %d Hz: extra CPU-s per save inside the windows against the no-save "
