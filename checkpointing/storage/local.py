@@ -195,7 +195,7 @@ class LocalStorage:
                     return False
                 with self._dir(parent) as dfd:
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    if not _lone_file(st):
                         return False
                     os.rename(name, naming.spare_name(new_token()).rpartition("/")[2], src_dir_fd=dfd, dst_dir_fd=sfd)
                     if self.fsync:
@@ -220,7 +220,7 @@ class LocalStorage:
                     for n in candidates:
                         try:
                             st = os.stat(n, dir_fd=sfd, follow_symlinks=False)
-                            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                            if not _lone_file(st):
                                 continue
                             os.rename(n, name, src_dir_fd=sfd, dst_dir_fd=dfd)
                         except FileNotFoundError:
@@ -338,6 +338,11 @@ class LocalStorage:
                 os.fsync(dfd)
 
 
+def _lone_file(st: os.stat_result) -> bool:
+    """A regular file with no other name: one this library may write over (a spare pack file)."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
 class _LocalStream:
     """One pack file written front to back: a new file, or (`reused`) a spare pack file already
     moved to `path`, written over from its start and cut to the written length at close."""
@@ -373,7 +378,7 @@ class _LocalStream:
             return False
         if not flags & os.O_CREAT:
             st = os.fstat(self.fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            if not _lone_file(st):
                 os.close(self.fd)
                 self.fd = -1
                 return False
