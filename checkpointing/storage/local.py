@@ -18,14 +18,14 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from checkpointing.errors import CheckpointCorruptError
 from checkpointing.format import naming
 from checkpointing.format.naming import new_token
 from checkpointing.storage import base
+from checkpointing.storage.local_stream import LocalStream, lone_file
 
-DIRECT_ALIGN = 4096
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -176,13 +176,13 @@ class LocalStorage:
         with self._dir(path, create=True):
             pass
 
-    def open_stream(self, path: str, *, spare: bool = False) -> "_LocalStream":
+    def open_stream(self, path: str, *, spare: bool = False) -> LocalStream:
         """A new object at `path`, written sequentially. `spare`: write over a spare pack file
         (keep_spare) if one is there, moved to `path`, instead of a new file: no blocks to allocate,
         and none were freed (on a filesystem mounted with online discard, freeing a large file costs
         the device a good part of a second, and on a virtual machine the host's CPU)."""
         reused = self._take_spare(path) if spare else False
-        return _LocalStream(self._abs(path), direct=self.direct, fsync=self.fsync, create=self._create, reused=reused)
+        return LocalStream(self._abs(path), direct=self.direct, fsync=self.fsync, create=self._create, reused=reused)
 
     def keep_spare(self, path: str, limit: int) -> bool:
         """Move the file `path` (a retired pack nothing references) to spares/ for a later
@@ -195,7 +195,7 @@ class LocalStorage:
                     return False
                 with self._dir(parent) as dfd:
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if not _lone_file(st):
+                    if not lone_file(st):
                         return False
                     os.rename(name, naming.spare_name(new_token()).rpartition("/")[2], src_dir_fd=dfd, dst_dir_fd=sfd)
                     if self.fsync:
@@ -220,7 +220,7 @@ class LocalStorage:
                     for n in candidates:
                         try:
                             st = os.stat(n, dir_fd=sfd, follow_symlinks=False)
-                            if not _lone_file(st):
+                            if not lone_file(st):
                                 continue
                             os.rename(n, name, src_dir_fd=sfd, dst_dir_fd=dfd)
                         except FileNotFoundError:
@@ -336,78 +336,3 @@ class LocalStorage:
                 os.rmdir(name, dir_fd=dfd)  # fails on a directory something was created in meanwhile
             if self.fsync:
                 os.fsync(dfd)
-
-
-def _lone_file(st: os.stat_result) -> bool:
-    """A regular file with no other name: one this library may write over (a spare pack file)."""
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
-
-
-class _LocalStream:
-    """One pack file written front to back: a new file, or (`reused`) a spare pack file already
-    moved to `path`, written over from its start and cut to the written length at close."""
-
-    def __init__(self, path: Path, *, direct: bool, fsync: bool, create: Any, reused: bool = False) -> None:
-        self.path = path
-        self.fsync = fsync
-        self.offset = 0
-        self.fd = -1
-        self.reused = reused and self._open(create, direct, os.O_WRONLY | os.O_NONBLOCK)  # a FIFO there: no wait for a reader
-        if not self.reused:
-            if reused:  # not what it should be (replaced meanwhile): removed, never written through
-                path.unlink(missing_ok=True)
-            self._open(create, direct, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-
-    def _open(self, create: Any, direct: bool, flags: int) -> bool:
-        """Open the file (O_DIRECT where the filesystem takes it); without O_CREAT, False unless it is
-        a regular file with no other link."""
-        self.alignment = 1
-        try:
-            if direct and hasattr(os, "O_DIRECT"):
-                try:
-                    self.fd = create(self.path, flags | os.O_DIRECT)
-                    self.alignment = DIRECT_ALIGN
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-            if self.fd < 0:
-                self.fd = create(self.path, flags)
-        except OSError:
-            if flags & os.O_CREAT:
-                raise
-            return False
-        if not flags & os.O_CREAT:
-            st = os.fstat(self.fd)
-            if not _lone_file(st):
-                os.close(self.fd)
-                self.fd = -1
-                return False
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        return True
-
-    def write(self, data: memoryview) -> None:
-        if self.alignment > 1 and len(data) % self.alignment:
-            # the short last block: O_DIRECT would need padding, so write it through the page cache
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self.alignment = 1
-        view = data
-        while view:
-            n = os.pwrite(self.fd, view, self.offset)
-            self.offset += n
-            view = view[n:]
-
-    def close(self) -> None:
-        try:
-            if self.reused:
-                os.ftruncate(self.fd, self.offset)  # what a longer spare held past the new end goes
-            if self.fsync:
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-            self.fd = -1
-
-    def abort(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self.path.unlink(missing_ok=True)
