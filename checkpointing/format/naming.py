@@ -60,8 +60,9 @@ def is_pack(name: str) -> bool:
     return _PACK.fullmatch(name) is not None
 
 
-def spare_name(token: str) -> str:
-    return f"{SPARES_DIR}/{token}.pack"
+def spare_file(token: str) -> str:
+    """A spare pack file's name inside SPARES_DIR."""
+    return f"{token}.pack"
 
 
 def is_spare(name: str) -> bool:

@@ -197,7 +197,7 @@ class LocalStorage:
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                     if not lone_file(st):
                         return False
-                    os.rename(name, naming.spare_name(new_token()).rpartition("/")[2], src_dir_fd=dfd, dst_dir_fd=sfd)
+                    os.rename(name, naming.spare_file(new_token()), src_dir_fd=dfd, dst_dir_fd=sfd)
                     if self.fsync:
                         os.fsync(sfd)
                         os.fsync(dfd)
