@@ -133,7 +133,8 @@ class StoreCoordinator:
         if committed is None:
             data = self.store.get(keys.save_manifest(save.seq))
             # what its tier leader's COMMIT names
-            committed = Committed(catalog.decoded_manifest(data, f"step {save.step} manifest from rank 0"), manifest_digest(data))
+            digest = manifest_digest(data)
+            committed = Committed(catalog.decoded_manifest(data, f"step {save.step} manifest from rank 0", digest), digest)
         return committed
 
     def _merge(self, save: SaveRef, deadline: float) -> bool:

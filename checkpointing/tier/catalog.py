@@ -151,9 +151,10 @@ def committed_manifest(storage: Storage, step: int) -> tuple[Manifest, str]:
     return manifest, digest
 
 
-def decoded_manifest(data: bytes, where: str) -> Manifest:
-    """decode_manifest(data), kept by digest with the committed manifests this process read or wrote."""
-    return _decoded.get(manifest_digest(data), data, where)
+def decoded_manifest(data: bytes, where: str, digest: str | None = None) -> Manifest:
+    """decode_manifest(data), kept by digest with the committed manifests this process read or wrote
+    (`digest`: manifest_digest(data), where the caller has it already)."""
+    return _decoded.get(digest or manifest_digest(data), data, where)
 
 
 def commit(storage: Storage, manifest: Manifest, token: str) -> str:
