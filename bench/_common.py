@@ -107,12 +107,13 @@ def resident_bytes(path: str) -> int | None:
 # raw sequential I/O (floors)
 # ---------------------------------------------------------------------------------------------
 
-def write_file(path: str, nbytes: int, buf, *, direct: bool, fsync: bool = True) -> float:
+def write_file(path: str, nbytes: int, buf, *, direct: bool, fsync: bool = True, fresh: bool = True) -> float:
     """Write `nbytes` (rounded up to the page size for O_DIRECT) to a fresh file in 64 MiB pwrite
     blocks taken from `buf` (a page-aligned buffer of >= min(nbytes, BLOCK) bytes), then fsync.
-    The buffer is re-used for every block (its content is irrelevant to ext4). Returns seconds."""
+    The buffer is re-used for every block (its content is irrelevant to ext4). `fresh=False`:
+    over the blocks of an existing file instead (no truncation). Returns seconds."""
     mv = memoryview(buf)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if fresh else 0)
     if direct:
         flags |= os.O_DIRECT
         nbytes = round_up(nbytes, PAGE)

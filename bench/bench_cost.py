@@ -77,6 +77,7 @@ KNOBS = {
     "ours_noyield": ({"background_yield_s": None}, {}),
     "ours_keepall": ({"keep_local": None}, {}),  # no retention: no file is deleted (DCP's runs delete none either)
     "ours_nospares": ({}, {"spares": False}),  # retired pack files deleted, never written over (the code before spares)
+    "ours_lowcopy": ({}, {"lowcopy": True}),  # the copy itself at SCHED_IDLE once save() returned; the guard hurries it
     "ours_threads1": ({}, {"threads": 1}),
     "floor_idle": (None, {"io_policy": "idle"}),
 }
@@ -374,6 +375,32 @@ def per_step_md(res: dict, upto: int = 7) -> list[str]:
     return L + [""]
 
 
+def _low_copy() -> None:
+    """Experiment: the save's threads at SCHED_IDLE from the moment save() may return (the copy too,
+    not only what follows it); the guard before optimizer.step() puts them back at normal priority."""
+    from checkpointing.save.job import SaveJob
+    from checkpointing.save.pack_writer import PackWriter
+
+    stage = PackWriter.stage
+
+    def low_stage(self, opened=None):
+        if opened is None or self.cpu is None:
+            return stage(self, opened)
+        def lowered():
+            opened()
+            self.cpu.lower()
+        return stage(self, lowered)
+
+    wait_staged = SaveJob.wait_staged
+
+    def hurried(self, stall):
+        if not self.staging.staged.is_set() and self.outcome.hurry is not None:
+            self.outcome.hurry()
+        return wait_staged(self, stall)
+
+    PackWriter.stage, SaveJob.wait_staged = low_stage, hurried
+
+
 def child_main(P) -> int:
     import torch
     import bench_core as B
@@ -385,6 +412,8 @@ def child_main(P) -> int:
     if extra.get("spares") is False:  # attribution: retention deletes every retired pack file, as before spares
         from checkpointing.storage.local import LocalStorage
         LocalStorage.keep_spare = lambda self, path, limit: False
+    if extra.get("lowcopy"):
+        _low_copy()
     if world > 1:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank, world_size=world)
