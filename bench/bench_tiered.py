@@ -136,7 +136,7 @@ class Loop:
 def bench_loop(args: argparse.Namespace, url: str, options: dict, state: dict, work: str) -> dict:
     """Step times: idle, while our save writes locally / uploads, and while a plain s3fs upload of the
     same bytes runs on a background thread (the reference: what any upload costs on this machine)."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.loop_threads)
     loop = Loop()
     for _ in range(10):
         loop.step()
@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--part-mib", type=int, default=64)
     ap.add_argument("--loop-steps", type=int, default=60)
+    ap.add_argument("--loop-threads", type=int, default=1, help="torch threads of the training loop (2 here: every CPU busy)")
+    ap.add_argument("--only-loop", action="store_true", help="only the training-loop part (2.)")
     ap.add_argument("--remote", default=None, help="s3://bucket/prefix of a real bucket (credentials from the environment)")
     ap.add_argument("--dir", default=None, help="local tier parent directory (default: a temporary one)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "bench_tiered.json"))
@@ -256,9 +258,11 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
             "args": vars(args),
         }
-        result["upload"] = bench_upload(args, url, options, state, work)
+        if not args.only_loop:
+            result["upload"] = bench_upload(args, url, options, state, work)
         result["loop"] = bench_loop(args, url, options, state, work)
-        result["restore"] = bench_restore(args, url, options, state, work)
+        if not args.only_loop:
+            result["restore"] = bench_restore(args, url, options, state, work)
     finally:
         if server is not None:
             server.stop()
@@ -266,7 +270,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
-    md = markdown(result)
+    md = markdown(result) if not args.only_loop else json.dumps(result["loop"], indent=1) + "\n"
     print(md)
     if args.md:
         with open(args.md, "w") as f:

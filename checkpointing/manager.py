@@ -158,7 +158,7 @@ class CheckpointManager:
         self._uploader: Uploader | None = None
         if self.remote_storage is not None and not options.read_only:  # collective: the ranks agree on interrupted uploads to resume
             self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.remote_retention,
-                                                     on_finish=AfterUpload(self._records, retention), pending=pending)
+                                                     on_finish=AfterUpload(self._records, retention), pending=pending, yield_s=options.yield_s)
             self._inflight.resumed(resumed)
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
                                   records=self._records, retention=retention, uploader=self._uploader,

@@ -88,7 +88,9 @@ class ManagerOptions:
         handle.wait(), wait(), delete(), close(), an emergency save) or this many seconds after the
         snapshot (default 30.0; at most timeout_s / 4, so that no rank waits for another past its
         timeout), which bounds how much later a step becomes durable. SaveStats.yielded_s is the
-        time spent so. None: always normal priority. Where the process may not raise a thread's
+        time spent so. Uploads to the remote tier yield the same way, from the start of each
+        upload until something waits for it or this many seconds have passed (save/uploader.py).
+        None: always normal priority. Where the process may not raise a thread's
         priority back (not Linux; neither CAP_SYS_NICE nor RLIMIT_NICE >= 20) the threads keep
         normal priority (save/yielding.py).
 

@@ -107,7 +107,7 @@ class SaveHandle:
         upload = self._job.upload
         if upload is not None and not self._job.outcome.error:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not upload.done.wait(left):
+            if not upload.wait(left):
                 raise CheckpointTimeoutError(f"step {self.step} is committed locally but not yet on the remote tier after "
                                              f"{timeout} s; call wait() again or raise the timeout")
         if self.peer is not None and not self._job.outcome.error:

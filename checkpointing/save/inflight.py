@@ -50,7 +50,7 @@ class InFlight:
             prev.raise_error()
         older = self.uploads[:-1]  # every upload but the newest: done on every rank once waited for
         for up in older:
-            up.done.wait()
+            up.wait()
         if older:
             self.uploads = self.uploads[-1:]
             for up in older:
@@ -68,7 +68,7 @@ class InFlight:
         uploads = list(self.uploads)
         for up in uploads:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not up.done.wait(left):
+            if not up.wait(left):
                 raise CheckpointTimeoutError(f"step {up.step} is not on the remote tier after {timeout} s; call wait() again or raise the timeout")
         self.uploads = [u for u in self.uploads if u not in uploads]
         for up in uploads:
@@ -79,7 +79,7 @@ class InFlight:
         writes to a tier meanwhile); their errors stay for the next save()/wait()."""
         self.wait_local()
         for up in list(self.uploads):
-            up.done.wait()
+            up.wait()
 
     def wait_local(self) -> None:
         """The newest save has finished on the local tier (its error stays for later)."""

@@ -143,10 +143,12 @@ class SaveOutcome:
         self.error_reported = False
         self.yielded_s: float | None = None  # the worker's: seconds its threads gave the CPU away (save/yielding.py)
         self.hurry: Callable[[], None] | None = None  # the worker's (at submit): ends that yielding
+        self.waited = False  # something waited for it: its threads are not lowered again (CpuYield.waited)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until `done` (False on timeout). A save waited for stops yielding the CPU (save/yielding.py)."""
         if not self.done.is_set() and self.hurry is not None:
+            self.waited = True  # before hurry(): see CpuYield.waited
             self.hurry()
         return self.done.wait(timeout)
 
@@ -171,6 +173,15 @@ class UploadJob:
     error: BaseException | None = None
     error_reported: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    hurry: Callable[[], None] | None = None  # the uploader's (at submit): its threads back at normal priority
+    waited: bool = False  # something waited for it: its threads are not lowered again (CpuYield.waited)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until `done` (False on timeout). An upload waited for stops yielding the CPU (save/uploader.py)."""
+        if not self.done.is_set() and self.hurry is not None:
+            self.waited = True  # before hurry(): see CpuYield.waited
+            self.hurry()
+        return self.done.wait(timeout)
 
     @property
     def resumed(self) -> bool:

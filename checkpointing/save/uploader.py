@@ -15,6 +15,13 @@ once the step is committed on the local tier; uploads then run one step at a tim
    uploader's `on_finish` (save/worker.AfterUpload) records the save and applies keep_local (steps
    still waiting for their upload, `PendingUploads`, are never deleted locally).
 
+Priority: with `cpu` (background_yield_s, save/yielding.py) an upload runs at SCHED_IDLE while nothing
+waits for it: the ckpt-upload thread, the transfer pool's threads and the remote tier's own event
+loop thread (the manager opens it with own_loop: storage/ioloop.py), which together do the
+upload's CPU work (about 3 CPU-s per GB: docs/benchmarks.md). Each upload lowers them as it starts
+(with a fresh deadline of background_yield_s); anything that waits for an upload (wait(), a save()
+waiting for the upload before last, a handle's wait(), delete(), close()) raises them again.
+
 Failures: a permanent error (or transient ones past the retry budget) fails this step's upload
 only: it is raised as CheckpointUploadError at the next save()/wait(), the local step stays
 committed, and later steps upload normally. Nothing of a failed upload is ever visible as a step
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from checkpointing.save.serial import SerialThread
+from checkpointing.save.yielding import CpuYield
 from checkpointing.tier import catalog
 from checkpointing.tier import collect, pins
 from checkpointing.format import naming
@@ -79,20 +87,25 @@ class Uploader:
         keep_remote: RetentionPolicy | None,
         on_finish: Callable[[UploadJob], None],
         pending: PendingUploads,
+        cpu: CpuYield | None = None,
     ) -> None:
         self.local, self.remote, self.committer = local, remote, committer
+        self._cpu = cpu if cpu is not None and cpu.enabled else None
+        if self._cpu is not None:
+            remote.on_io_thread(self._cpu.enter)  # the loop's thread, and the pools' threads as they start
         self.rank, self.keep_remote, self.on_finish = rank, keep_remote, on_finish
         self.pending = pending
         self._lock = threading.Lock()
         self._seq = 0
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
         self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
-        self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run)
+        self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
         with self._lock:
             job.seq = self._seq
             self._seq += 1
+            job.hurry = self._cpu.hurry if self._cpu is not None else None
             self.pending.add(job)
         self._thread.put(job)
 
@@ -108,12 +121,18 @@ class Uploader:
             self._remote_steps -= set(removed)
 
     def close(self) -> None:
+        if self._cpu is not None:
+            self._cpu.close()  # what is still queued runs at normal priority: close() waits for it
         self._thread.close()
         self.committer.close()
 
     def _run(self, job: UploadJob) -> None:
         """Upload, commit, tidy; never raises (the error is kept on the job)."""
         assert job.manifest is not None
+        if self._cpu is not None:
+            self._cpu.waited = lambda: job.waited  # lowered only while nothing waits for this upload
+            self._cpu.hurry()  # at normal priority first, so that lower() starts its deadline timer from a normal thread
+            self._cpu.lower()
         try:
             error: BaseException | None = None
             try:
@@ -194,7 +213,7 @@ class Uploader:
 
 def start_uploader(
     local: LocalStorage, remote: FsspecStorage, coord: Coordinator, *, keep_remote: RetentionPolicy | None,
-    on_finish: Callable[[UploadJob], None], pending: PendingUploads,
+    on_finish: Callable[[UploadJob], None], pending: PendingUploads, yield_s: float | None = None,
 ) -> tuple[Uploader, list[UploadJob]]:
     """Start the upload thread, and resume the uploads an earlier process did not finish (a collective call).
 
@@ -205,7 +224,8 @@ def start_uploader(
         listing = catalog.list_steps(remote)
     except (OSError, CheckpointError) as exc:
         raise CheckpointConfigError(f"cannot use the remote tier {remote.url}: {exc}") from None
-    uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending)
+    uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending,
+                        cpu=CpuYield(yield_s))
     uploader.saw_remote(added=set(listing.committed))
     mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
     agreed = coord.agree_resume(sorted(mine))

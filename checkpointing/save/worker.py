@@ -217,6 +217,7 @@ class SaveWorker:
         if outcome.error is None:  # not a save that failed inside save(): it is recorded
             outcome.reverified = self._scrub.take_counts()
         self._cpu.committed()  # not this save's: the time low after the previous one
+        self._cpu.waited = lambda: outcome.waited  # lowered only while nothing waits for this save
         base = self._scrub.screen(job.inputs.base)
         if base is not job.inputs.base:
             job.inputs = dataclasses.replace(job.inputs, base=base)

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 log = logging.getLogger("checkpointing")
 
@@ -78,8 +79,13 @@ class CpuYield:
         self.after_s = after_s
         self.enabled = after_s is not None and can_yield()
         self._lock = threading.Lock()
-        self._tids: set[int] = set()  # registered threads (native ids), each at SCHED_IDLE while low, else SCHED_OTHER
+        # registered threads by native id, each at SCHED_IDLE while low, else SCHED_OTHER; a thread that
+        # ended without leave() (a pool's) is dropped before its id could name another thread
+        self._tids: dict[int, threading.Thread] = {}
         self._low_since: float | None = None  # perf_counter of lower(), while low
+        # the current job's (set by the thread running it): True once something waits for that job;
+        # lower() does nothing then (checked under the lock the waiter's hurry() takes)
+        self.waited: Callable[[], bool] | None = None
         self._low_s = 0.0  # seconds spent low since committed()
         self._timer: threading.Timer | None = None
 
@@ -98,7 +104,7 @@ class CpuYield:
                 return  # the user's policy (SCHED_BATCH, real time): not ours to change
             # SCHED_IDLE here was inherited from a lowered save thread that started this one (where
             # the process itself runs at SCHED_IDLE, can_yield() is False and nothing gets here)
-            self._tids.add(tid)
+            self._tids[tid] = threading.current_thread()
             want = _IDLE if self._low_since is not None else _OTHER
             if policy != want:
                 self._set(tid, want)
@@ -109,18 +115,18 @@ class CpuYield:
             return
         tid = threading.get_native_id()
         with self._lock:
-            if tid in self._tids:
-                self._tids.discard(tid)
+            if self._tids.pop(tid, None) is not None:
                 if self._low_since is not None:
                     self._set(tid, _OTHER)
 
     def lower(self) -> None:
         """Nothing waits for the save: the registered threads run only on cores nothing else wants,
-        until hurry() (at the latest `after_s` seconds from now). A no-op while low."""
+        until hurry() (at the latest `after_s` seconds from now). A no-op while low, and once
+        something waits for the current job (`waited`)."""
         if not self.enabled:
             return
         with self._lock:
-            if self._low_since is not None:
+            if self._low_since is not None or (self.waited is not None and self.waited()):
                 return
             # the timer thread is made before this thread is lowered: a thread inherits its maker's policy
             self._timer = threading.Timer(self.after_s, self.hurry)  # type: ignore[arg-type]
@@ -128,8 +134,9 @@ class CpuYield:
             self._timer.start()
             self._low_since = time.perf_counter()
             me = threading.get_native_id()
-            for tid in self._tids - {me}:
-                self._set(tid, _IDLE)
+            for tid in self._live():
+                if tid != me:
+                    self._set(tid, _IDLE)
             lower_me = me in self._tids
         if lower_me:  # last, and outside the lock: a lowered thread holding it would make a waiter wait for a free core
             self._set(me, _IDLE)
@@ -146,7 +153,7 @@ class CpuYield:
             self._low_s += time.perf_counter() - self._low_since
             self._low_since = None
             timer, self._timer = self._timer, None
-            for tid in self._tids:
+            for tid in self._live():
                 self._set(tid, _OTHER)
         if timer is not None and timer is not threading.current_thread():
             timer.cancel()
@@ -169,6 +176,12 @@ class CpuYield:
     def close(self) -> None:
         """No more saves: back at normal priority, no timer left."""
         self.hurry()
+
+    def _live(self) -> list[int]:
+        """The registered threads still alive (under the lock); the others are forgotten."""
+        for tid in [tid for tid, thread in self._tids.items() if not thread.is_alive()]:
+            del self._tids[tid]
+        return list(self._tids)
 
     def _set(self, tid: int, policy: int | None) -> None:
         try:

@@ -10,11 +10,14 @@ through it; neither reaches into the other.
 
 `open_endpoint` builds the filesystem: our defaults under the caller's storage_options, its own
 instance (skip_instance_cache: no state shared with other fsspec users), the SDK's own retries
-switched off (s3fs retries=1, botocore total_max_attempts=1) so that one policy decides.
+switched off (s3fs retries=1, botocore total_max_attempts=1) so that one policy decides; with
+`own_loop`, an async filesystem (s3fs) runs on an event loop of its own (`ioloop`, storage/ioloop.py)
+instead of fsspec's loop shared with every other async filesystem in the process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Mapping, TypeVar
@@ -23,6 +26,7 @@ import fsspec
 
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.format.naming import new_token
+from checkpointing.storage.ioloop import IoLoop
 from checkpointing.storage.redact import secret_values
 from checkpointing.storage.retry import RetryPolicy, Retrying
 
@@ -37,8 +41,9 @@ MEMORY_PROTOCOLS = ("memory",)
 class Endpoint:
     """One remote location. `fs` may be replaced (tests wrap it to inject faults): requests read it when they run."""
 
-    def __init__(self, fs: Any, *, url: str, protocol: str, root: str, retrying: Retrying) -> None:
+    def __init__(self, fs: Any, *, url: str, protocol: str, root: str, retrying: Retrying, ioloop: IoLoop | None = None) -> None:
         self.fs, self.url, self.protocol, self.root, self.retrying = fs, url, protocol, root, retrying
+        self.ioloop = ioloop  # the filesystem's own event loop (open_endpoint's own_loop), else None
         self.is_s3 = protocol in S3_PROTOCOLS
         self.is_local = protocol in LOCAL_PROTOCOLS  # file://: the only one with fsync and directories
         self.is_memory = protocol in MEMORY_PROTOCOLS
@@ -128,7 +133,7 @@ class Endpoint:
 
 
 def open_endpoint(url: str, protocol: str, shown: str, storage_options: Mapping[str, Any] | None, *,
-                  retry: RetryPolicy, max_concurrency: int) -> Endpoint:
+                  retry: RetryPolicy, max_concurrency: int, own_loop: bool = False) -> Endpoint:
     """The Endpoint at `url` (`shown`: the URL redacted); CheckpointConfigError, saying how to fix it, if it cannot be opened."""
     secrets = secret_values(storage_options, url)
     try:
@@ -145,18 +150,33 @@ def open_endpoint(url: str, protocol: str, shown: str, storage_options: Mapping[
     options = _default_options(protocol, max_concurrency, storage_options or {})
     options.update({k: v for k, v in cls._get_kwargs_from_urls(url).items() if k not in options})
     retrying = Retrying(retry, secrets)
+    ioloop = IoLoop() if own_loop and getattr(cls, "async_impl", False) and "loop" not in options else None
+    if ioloop is not None:
+        options["loop"] = ioloop.loop
     try:
         fs = cls(skip_instance_cache=True, **options)
     except Exception as exc:  # noqa: BLE001 - report it as a configuration problem, without secrets
+        if ioloop is not None:
+            ioloop.close()
         raise CheckpointConfigError(
             f"cannot open {shown}: {retrying.redact(f'{type(exc).__name__}: {exc}')}; check storage_options"
         ) from None
-    endpoint = Endpoint(fs, url=shown, protocol=protocol, root=cls._strip_protocol(url).rstrip("/"), retrying=retrying)
+    if ioloop is not None:
+        ioloop.at_close(functools.partial(_close_session, fs))
+    endpoint = Endpoint(fs, url=shown, protocol=protocol, root=cls._strip_protocol(url).rstrip("/"), retrying=retrying, ioloop=ioloop)
     if endpoint.is_s3:
         fs.retries = 1  # our RetryPolicy is the only retry loop
         if not endpoint.bucket:
             raise CheckpointConfigError(f"{shown!r} names no bucket: use s3://bucket/prefix")
     return endpoint
+
+
+async def _close_session(fs: Any) -> None:
+    """Close the HTTP session s3fs opened on our own loop, on that loop (its own finalizer cannot
+    once the loop has stopped); other async filesystems close theirs in their finalizers."""
+    creator = getattr(fs, "_s3creator", None)
+    if creator is not None:
+        await creator.__aexit__(None, None, None)
 
 
 def _default_options(protocol: str, max_concurrency: int, user: Mapping[str, Any]) -> dict[str, Any]:

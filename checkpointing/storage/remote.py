@@ -32,7 +32,7 @@ import dataclasses
 import os
 import threading
 from concurrent.futures import wait
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fsspec.core import split_protocol
 
@@ -55,7 +55,9 @@ class FsspecStorage:
     `storage_options` go to the fsspec filesystem (s3: endpoint_url, key, secret, token,
     client_kwargs, config_kwargs...). Uploads run `max_concurrency` parts of `part_bytes` at a time,
     paced to `max_bytes_per_s` if set. `retry`: the policy for transient errors (settable later).
-    Call close() to stop the upload threads.
+    `own_loop`: an async filesystem (s3fs) runs on an event loop of this storage's own, on the
+    thread `ckpt-remote-io`, not on fsspec's loop shared by the process (storage/ioloop.py; the
+    manager's remote tier). Call close() to stop the upload threads.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class FsspecStorage:
         part_bytes: int = 64 * MiB,
         max_bytes_per_s: float | None = None,
         retry: RetryPolicy = RetryPolicy(),
+        own_loop: bool = False,
     ) -> None:
         protocol, _ = split_protocol(url)
         self.url = redact_url(url.rstrip("/") if not url.endswith("://") else url)
@@ -74,7 +77,8 @@ class FsspecStorage:
             raise CheckpointConfigError(f"{self.url!r} is not a URL: use LocalStorage for a directory, or file://")
         self.transfers = Transfers(self.url, is_s3=protocol in S3_PROTOCOLS, part_bytes=part_bytes,
                                    max_concurrency=max_concurrency, max_bytes_per_s=max_bytes_per_s)
-        self.endpoint = open_endpoint(url, protocol, self.url, storage_options, retry=retry, max_concurrency=max_concurrency)
+        self.endpoint = open_endpoint(url, protocol, self.url, storage_options, retry=retry, max_concurrency=max_concurrency,
+                                      own_loop=own_loop)
         self.protocol, self.is_s3, self.root = protocol, self.endpoint.is_s3, self.endpoint.root
         self.supports_conditional_create = self.is_s3 or self.endpoint.is_local or self.endpoint.is_memory
 
@@ -103,8 +107,18 @@ class FsspecStorage:
     def max_concurrency(self) -> int:
         return self.transfers.max_concurrency
 
+    def on_io_thread(self, hook: Callable[[], None]) -> None:
+        """Run `hook` on every thread that does this storage's I/O from now on: the transfer pool's
+        threads (the pool restarts with the next transfer), and with own_loop the event loop's thread
+        (now) and its executor's. Without own_loop, fsspec's shared loop thread is not among them."""
+        self.transfers.hooks.add(hook)
+        self.transfers.close()  # threads started before the hook was added: they end; new ones run it
+        if self.endpoint.ioloop is not None:
+            self.endpoint.ioloop.on_thread(hook)
+
     def close(self) -> None:
-        """Stop the upload threads (after the uploads they run). The storage stays usable."""
+        """Stop the upload threads (after the uploads they run). The storage stays usable (an own
+        event loop runs until the storage is garbage collected)."""
         self.transfers.close()
 
     # ------------------------------------------------------------ Storage protocol

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from checkpointing.errors import CheckpointConfigError
+from checkpointing.storage.ioloop import ThreadHooks
 
 S3_MIN_PART = 5 << 20  # every part but the last must be at least this big
 
@@ -20,7 +21,8 @@ S3_MIN_PART = 5 << 20  # every part but the last must be at least this big
 class Transfers:
     """How large objects move: parts of `part_bytes`, at most `max_concurrency` at a time on one
     thread pool (started with the first part, stopped by close()), paced to `max_bytes_per_s` if set.
-    The sizes are checked here, for the tier `url` (S3 parts are at least 5 MiB)."""
+    The sizes are checked here, for the tier `url` (S3 parts are at least 5 MiB). `hooks` run on
+    each pool thread as it starts (storage/ioloop.py)."""
 
     def __init__(self, url: str, *, is_s3: bool, part_bytes: int, max_concurrency: int, max_bytes_per_s: float | None) -> None:
         if max_concurrency < 1:
@@ -32,13 +34,14 @@ class Transfers:
             raise CheckpointConfigError(f"max_bytes_per_s={max_bytes_per_s} for {url}: must be > 0, or None for no limit")
         self.part_bytes, self.max_concurrency = part_bytes, max_concurrency
         self.pace: Callable[[int], None] = Throttle(max_bytes_per_s) if max_bytes_per_s else _no_pace
+        self.hooks = ThreadHooks()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     def executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="ckpt-upload")
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="ckpt-upload", initializer=self.hooks.run)
             return self._pool
 
     def close(self) -> None:

@@ -72,6 +72,7 @@ def open_remote_tier(options: ManagerOptions) -> FsspecStorage | None:
     if options.remote is None:
         return None
     opened = open_storage(options.remote, options.storage_options, max_concurrency=options.upload_concurrency,
-                          part_bytes=options.upload_part_bytes, max_bytes_per_s=options.upload_bytes_per_s)
+                          part_bytes=options.upload_part_bytes, max_bytes_per_s=options.upload_bytes_per_s,
+                          own_loop=True)  # its threads may follow the uploads' priority (save/uploader.py)
     assert isinstance(opened, FsspecStorage)
     return opened
