@@ -154,6 +154,9 @@ def bench_loop(args: argparse.Namespace, url: str, options: dict, state: dict, w
                 phases["upload" if h.local_done() else "write"].append(dt)
             h.wait()
             base += [loop.step() for _ in range(20)]
+            if not os.path.exists(plain):  # --only-loop: the upload part did not make it
+                sdir = os.path.join(local, f"step-{100 + r:010d}")
+                shutil.copyfile(next(os.path.join(sdir, n) for n in os.listdir(sdir) if n.endswith(".pack")), plain)
             C.evict(plain)
             t = threading.Thread(target=lambda: s3fs(options).put_file(plain, f"{url}/plain/z.pack".removeprefix("s3://"),
                                                                        chunksize=args.part_mib * MiB, max_concurrency=args.concurrency))
@@ -169,6 +172,7 @@ def bench_loop(args: argparse.Namespace, url: str, options: dict, state: dict, w
             out[f"{name}_step_ms"] = statistics.median(xs) * 1e3
             out[f"{name}_slowdown_pct"] = (statistics.median(xs) / med - 1) * 100
             out[f"{name}_steps"] = len(xs)
+            out[f"{name}_lost_s_per_round"] = (sum(xs) - len(xs) * med) / args.rounds  # the loop's time lost, in all
     log("loop: " + ", ".join(f"{k}={v:.2f}" for k, v in out.items()))
     return out
 
@@ -218,7 +222,7 @@ def markdown(result: dict) -> str:
     for name, text in what.items():
         if f"{name}_step_ms" in loop:
             lines.append(f"| training step {text} | {loop[f'{name}_step_ms']:.1f} ms ({loop[f'{name}_slowdown_pct']:+.1f}%, "
-                         f"{loop[f'{name}_steps']:.0f} steps) |")
+                         f"{loop[f'{name}_steps']:.0f} steps; the loop lost {loop[f'{name}_lost_s_per_round']:.2f} s per round) |")
     lines += [
         f"| restore from the local tier (page cache dropped) | {rest['local_s']:.2f} s ({rest['local_GBps']:.2f} GB/s) |",
         f"| restore from the remote tier only | {rest['remote_s']:.2f} s ({rest['remote_GBps']:.2f} GB/s) |",
