@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import time
 from typing import Any
 
 import fsspec.asyn
@@ -27,6 +26,7 @@ from checkpointing.save.yielding import can_yield
 from checkpointing.storage import FsspecStorage
 
 from s3_server import new_bucket, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
+from test_yielding import _until
 
 needs_yield = pytest.mark.skipif(not can_yield(), reason="this process may not raise a thread's priority back (SCHED_IDLE)")
 IDLE, OTHER = getattr(os, "SCHED_IDLE", -1), getattr(os, "SCHED_OTHER", -1)
@@ -63,15 +63,6 @@ def _policies(among: set[threading.Thread]) -> dict[str, int | None]:
             except OSError:
                 pass
     return out
-
-
-def _until(cond, what: str, timeout: float = 120.0) -> None:
-    """Wait for `cond()` (a condition; the timeout only keeps a broken build from hanging)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.005)
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
