@@ -99,6 +99,7 @@ class Uploader:
         self._seq = 0
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
         self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
+        self._closing = False  # close() waits for what is queued: nothing is lowered from then on
         self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
@@ -121,6 +122,7 @@ class Uploader:
             self._remote_steps -= set(removed)
 
     def close(self) -> None:
+        self._closing = True
         if self._cpu is not None:
             self._cpu.close()  # what is still queued runs at normal priority: close() waits for it
         self._thread.close()
@@ -130,7 +132,7 @@ class Uploader:
         """Upload, commit, tidy; never raises (the error is kept on the job)."""
         assert job.manifest is not None
         if self._cpu is not None:
-            self._cpu.waited = lambda: job.waited  # lowered only while nothing waits for this upload
+            self._cpu.waited = lambda: job.waited or self._closing  # lowered only while nothing waits for this upload
             self._cpu.hurry()  # at normal priority first, so that lower() starts its deadline timer from a normal thread
             self._cpu.lower()
         try:

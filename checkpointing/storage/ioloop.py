@@ -64,10 +64,6 @@ class IoLoop:
         # the thread holds the loop, not this object: when the IoLoop goes, so do the thread and the loop
         self._finish = weakref.finalize(self, _finish, self.loop, self.thread, self._closers)
 
-    @property
-    def running(self) -> bool:
-        return self._finish.alive
-
     def on_thread(self, hook: Callable[[], None]) -> None:
         """Run `hook` on the loop's thread now (waiting for it), and on every thread of the loop's
         default executor started from now on."""
