@@ -105,6 +105,34 @@ def test_lower_and_hurry_move_registered_threads_between_idle_and_normal():
 
 
 @needs_yield
+def test_a_job_waited_for_is_not_lowered_and_a_thread_that_ended_is_forgotten():
+    """A waiter marks its job before hurry(): a lower() that comes after (the snapshot staged, an
+    upload starting) leaves the threads at normal priority. A pool thread that ended without
+    leave() is dropped, never set again (its id may name another thread by then)."""
+    cpu = CpuYield(60.0)
+    w = _Worker(cpu)
+    waited = [False]
+    cpu.waited = lambda: waited[0]
+    try:
+        cpu.lower()
+        assert w.policy() == IDLE and cpu.low
+        waited[0] = True  # SaveOutcome.wait() / UploadJob.wait(): marked, then hurry()
+        cpu.hurry()
+        cpu.lower()
+        assert w.policy() == OTHER and not cpu.low
+        waited[0] = False  # the next job
+        gone = threading.Thread(target=cpu.enter)  # registers, then ends without leave()
+        gone.start()
+        gone.join()
+        assert gone.native_id in cpu._tids
+        cpu.lower()
+        assert w.policy() == IDLE and gone.native_id not in cpu._tids
+    finally:
+        cpu.close()
+        w.end()
+
+
+@needs_yield
 def test_a_thread_started_by_a_lowered_one_follows_hurry():
     """The write-behind thread is started by ckpt-io, possibly while it is low: it inherits
     SCHED_IDLE, and must still be raised by hurry()."""
