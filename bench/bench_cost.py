@@ -77,7 +77,10 @@ KNOBS = {
     "ours_noyield": ({"background_yield_s": None}, {}),
     "ours_keepall": ({"keep_local": None}, {}),  # no retention: no file is deleted (DCP's runs delete none either)
     "ours_nospares": ({}, {"spares": False}),  # retired pack files deleted, never written over (the code before spares)
-    "ours_lowcopy": ({}, {"lowcopy": True}),  # the copy itself at SCHED_IDLE once save() returned; the guard hurries it
+    "ours_lowcopy": ({}, {"lowcopy": True}),
+    # a remote tier: moto on 127.0.0.1 in a process of its own (its CPU is "foreign"), keep_remote=1
+    "ours_remote": ({"keep_remote": 1}, {"remote": True}),
+    "ours_remote_upnoyield": ({"keep_remote": 1}, {"remote": True, "upload_yield": False}),  # uploads at normal priority (the code before)  # the copy itself at SCHED_IDLE once save() returned; the guard hurries it
     "ours_threads1": ({}, {"threads": 1}),
     "floor_idle": (None, {"io_policy": "idle"}),
 }
@@ -112,7 +115,7 @@ def make_saver(key: str, tr, root: str, P):
 
         def setup(self):
             from checkpointing import CheckpointManager
-            self.mgr = CheckpointManager(self.root, **{"keep_local": 2, "snapshot": self.snapshot, **self.options})
+            self.mgr = CheckpointManager(self.root, **{"keep_local": 2, "snapshot": self.snapshot, **REMOTE, **self.options})
 
         def save(self, step):
             t0 = now()
@@ -375,6 +378,20 @@ def per_step_md(res: dict, upto: int = 7) -> list[str]:
     return L + [""]
 
 
+REMOTE: dict = {}  # the remote tier's manager options (a config with "remote")
+
+
+def _remote_tier(key: str):
+    """Start moto on 127.0.0.1 in a process of its own and point REMOTE at a fresh bucket there."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from embedded_s3 import EmbeddedS3
+
+    server = EmbeddedS3()
+    server.start()
+    REMOTE.update(remote=server.bucket(f"cost-{key.replace('_', '-')}") + "/ck", storage_options=server.storage_options)
+    return server
+
+
 def _low_copy() -> None:
     """Experiment: the save's threads at SCHED_IDLE from the moment save() may return (the copy too,
     not only what follows it); the guard before optimizer.step() puts them back at normal priority."""
@@ -414,6 +431,13 @@ def child_main(P) -> int:
         LocalStorage.keep_spare = lambda self, path, limit: False
     if extra.get("lowcopy"):
         _low_copy()
+    server = _remote_tier(key) if extra.get("remote") else None
+    if extra.get("upload_yield") is False:  # attribution: uploads at normal priority, as before they yielded
+        from checkpointing.save import uploader
+        start = uploader.start_uploader
+        uploader.start_uploader = lambda *a, **kw: start(*a, **{**kw, "yield_s": None})
+        import checkpointing.manager as manager_module
+        manager_module.start_uploader = uploader.start_uploader
     if world > 1:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank, world_size=world)
