@@ -431,7 +431,7 @@ def child_main(P) -> int:
         LocalStorage.keep_spare = lambda self, path, limit: False
     if extra.get("lowcopy"):
         _low_copy()
-    server = _remote_tier(key) if extra.get("remote") else None
+    server = _remote_tier(key) if extra.get("remote") else None  # held to the end: moto exits when its stdin pipe is closed
     if extra.get("upload_yield") is False:  # attribution: uploads at normal priority, as before they yielded
         from checkpointing.save import uploader
         start = uploader.start_uploader
