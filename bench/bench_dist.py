@@ -1,9 +1,10 @@
 """Multi-rank benchmark: real processes on gloo (127.0.0.1), ours against DCP async_save.
 
-    python bench/bench_dist.py commit        # commit time at 1, 2, 4, 8 ranks, small sharded state
+    python bench/bench_dist.py commit        # commit time and CPU per save at 1, 2, 4, 8 ranks, small sharded state
+    python bench/bench_dist.py flatten       # save()'s walk over 8 x --tensors DTensors (one rank): per DTensor
     python bench/bench_dist.py sharded       # 2 ranks, a sharded state: per-rank stall and time to commit
     python bench/bench_dist.py mesh2d        # 4 ranks, FSDP2 over tensor parallel on a 2x2 (dp, tp) mesh: the same
-    python bench/bench_dist.py all --md      # all three, as markdown for docs/benchmarks.md
+    python bench/bench_dist.py all --md      # all of them, as markdown for docs/benchmarks.md
 
 Every rank prints its own numbers; the table shows the slowest rank (what the job waits for).
 """
@@ -80,27 +81,60 @@ def sharded_state(world: int, total_bytes: int, n_tensors: int) -> tuple[torch.n
 # ----------------------------------------------------------------------------- commit time
 
 
-def commit_worker(rank: int, world: int, root: str, saves: int) -> dict:
+def commit_worker(rank: int, world: int, root: str, saves: int, tensors: int) -> dict:
+    """Saves of a small sharded state, each waited for: the commit's time, and this process's CPU
+    per save (every thread: the save() call and the background work; the state is 16 MiB in all,
+    so the part that grows with ranks and tensors is the coordination's)."""
     from checkpointing import CheckpointManager
 
-    params, opt = sharded_state(world, 8 << 20, 64)
+    params, opt = sharded_state(world, 8 << 20, tensors)
     out = []
     with CheckpointManager(root, keep_local=1, timeout_s=120) as mgr:
         for step in range(saves):
+            cpu0 = time.process_time()
             st = mgr.save(step, {"params": params, "optim": opt, "meta": {"step": step}}).wait()
-            out.append({"commit_s": st.commit_s, "total_s": st.total_s})
-    return {"commit_s": statistics.median(r["commit_s"] for r in out[1:]), "total_s": statistics.median(r["total_s"] for r in out[1:])}
+            out.append({"commit_s": st.commit_s, "total_s": st.total_s, "cpu_s": time.process_time() - cpu0})
+        manifest = next(Path(root).glob(f"step-{saves - 1:010d}/manifest.*.json")).stat().st_size if rank == 0 else 0
+    return {"commit_s": statistics.median(r["commit_s"] for r in out[1:]), "total_s": statistics.median(r["total_s"] for r in out[1:]),
+            "cpu_s": statistics.median(r["cpu_s"] for r in out[1:]), "manifest_bytes": manifest}
 
 
-def bench_commit(root: str, worlds: list[int], saves: int) -> list[dict]:
+def bench_commit(root: str, worlds: list[int], saves: int, tensors: int) -> list[dict]:
     rows = []
     for world in worlds:
         d = os.path.join(root, f"commit-{world}")
-        res = launch("commit_worker", world, root=d, saves=saves)
-        rows.append({"world": world, "commit_s": max(r["commit_s"] for r in res), "total_s": max(r["total_s"] for r in res)})
+        res = launch("commit_worker", world, root=d, saves=saves, tensors=tensors)
+        rows.append({"world": world, "tensors": tensors, "commit_s": max(r["commit_s"] for r in res), "total_s": max(r["total_s"] for r in res),
+                     "cpu_rank0_s": res[0]["cpu_s"], "cpu_others_s": max((r["cpu_s"] for r in res[1:]), default=0.0),
+                     "manifest_bytes": res[0]["manifest_bytes"]})
         shutil.rmtree(d, ignore_errors=True)
-        print(f"commit  world={world}: commit {rows[-1]['commit_s'] * 1e3:.1f} ms, save->committed {rows[-1]['total_s'] * 1e3:.1f} ms", flush=True)
+        r = rows[-1]
+        print(f"commit  world={world}: commit {r['commit_s'] * 1e3:.1f} ms, save->committed {r['total_s'] * 1e3:.1f} ms, CPU per save: rank 0 "
+              f"{r['cpu_rank0_s'] * 1e3:.1f} ms, other ranks (max) {r['cpu_others_s'] * 1e3:.1f} ms; manifest {r['manifest_bytes'] / 1e3:.0f} kB", flush=True)
     return rows
+
+
+def flatten_worker(rank: int, world: int, tensors: int, reps: int) -> dict:
+    """What save() spends on the training thread walking a state of DTensors (flatten_state: keys,
+    local shards, layouts), without copying anything: per call, median of `reps`."""
+    from checkpointing.state.tree import flatten_state
+
+    params, opt = sharded_state(world, 8 << 20, tensors)
+    state = {"params": params, "optim": opt}
+    for _ in range(3):
+        leaves = len(flatten_state(state).leaves)
+    times = []
+    for _ in range(reps):
+        t0 = now()
+        flatten_state(state)
+        times.append(now() - t0)
+    return {"leaves": leaves, "flatten_s": statistics.median(times)}
+
+
+def bench_flatten(tensors: int, reps: int) -> dict:
+    r = launch("flatten_worker", 1, tensors=tensors, reps=reps)[0]
+    print(f"flatten {r['leaves']} DTensors: {r['flatten_s'] * 1e3:.1f} ms per save() ({r['flatten_s'] / r['leaves'] * 1e6:.0f} us each)", flush=True)
+    return r
 
 
 # ----------------------------------------------------------------------------- stall and time to commit
@@ -356,10 +390,11 @@ def bench_mesh2d(root: str, steps: int, every: int, sizes: dict = MESH2D) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["commit", "sharded", "mesh2d", "all"])
+    ap.add_argument("what", choices=["commit", "flatten", "sharded", "mesh2d", "all"])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "out", "dist"))
     ap.add_argument("--worlds", default="1,2,4,8")
     ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--tensors", type=int, default=64, help="commit: parameters, each sharded over every rank (with as many momentum buffers)")
     ap.add_argument("--mb", type=int, default=256, help="global parameter bytes (optimizer state doubles it)")
     ap.add_argument("--mesh2d-steps", type=int, default=15, help="mesh2d: timed training steps per run")
     ap.add_argument("--mesh2d-every", type=int, default=3, help="mesh2d: a save every this many steps")
@@ -368,7 +403,9 @@ def main() -> None:
     os.makedirs(a.root, exist_ok=True)
     out: dict = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
     if a.what in ("commit", "all"):
-        out["commit"] = bench_commit(a.root, [int(w) for w in a.worlds.split(",")], a.saves)
+        out["commit"] = bench_commit(a.root, [int(w) for w in a.worlds.split(",")], a.saves, a.tensors)
+    if a.what in ("flatten", "all"):
+        out["flatten"] = bench_flatten(a.tensors * 4, reps=20)
     if a.what in ("sharded", "all"):
         out["sharded"] = bench_sharded(a.root, a.mb << 20, steps=12, every=3, compute=384)
     if a.what in ("mesh2d", "all"):
@@ -383,8 +420,14 @@ def main() -> None:
 def markdown(out: dict) -> str:
     lines = []
     if "commit" in out:
-        lines += ["| ranks | commit (report + merge + COMMIT) | save() to committed |", "|---|---|---|"]
-        lines += [f"| {r['world']} | {r['commit_s'] * 1e3:.1f} ms | {r['total_s'] * 1e3:.1f} ms |" for r in out["commit"]]
+        lines += ["| ranks | parameters | manifest | commit (report + merge + COMMIT) | save() to committed | CPU per save: rank 0 | other ranks (max) |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['world']} | {r.get('tensors', 64)} | {r.get('manifest_bytes', 0) / 1e3:.0f} kB | {r['commit_s'] * 1e3:.1f} ms | {r['total_s'] * 1e3:.1f} ms "
+                  f"| {r.get('cpu_rank0_s', 0) * 1e3:.1f} ms | {r.get('cpu_others_s', 0) * 1e3:.1f} ms |" for r in out["commit"]]
+    if "flatten" in out:
+        f = out["flatten"]
+        lines += ["", f"save()'s walk over {f['leaves']} DTensors (flatten_state, one rank): {f['flatten_s'] * 1e3:.1f} ms, "
+                  f"{f['flatten_s'] / f['leaves'] * 1e6:.0f} us per DTensor"]
     if "sharded" in out:
         s = out["sharded"]
         lines += ["", f"2 ranks, {s['local_bytes'] / 1e6:.0f} MB of state per rank (sharded params + momentum), baseline loop {s['baseline_loop_s']:.2f} s", "",

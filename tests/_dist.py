@@ -398,3 +398,40 @@ def failing_saves(rank: int, world: int, directory: str, plans: list[dict[int, s
         assert mgr.steps() == [1], mgr.steps()
     logging.getLogger("checkpointing").removeHandler(kept)
     return out
+
+
+def manifest_decodes(rank: int, world: int, directory: str, saves: int) -> dict[str, Any]:
+    """Save a training FSDP2 model `saves` times (one shared directory: rank 0 leads the only local
+    tier) and count, per rank, the manifests decoded while saving: every module of the package that
+    imported decode_manifest gets a counting wrapper around the real one (a spy; it changes nothing)."""
+    import checkpointing.format.decode as decode
+    from checkpointing import CheckpointManager
+
+    model, opt = build(world)
+    train(model, opt, 1, rank=rank)
+    real, decoded = decode.decode_manifest, [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        decoded[0] += 1
+        return real(*args, **kwargs)
+
+    written = []
+    with CheckpointManager(directory, timeout_s=60, keep_local=2) as mgr:
+        mgr.save(0, {"model": model, "optim": opt}).wait()  # every module the save path uses is imported now
+        for module in [m for name, m in list(sys.modules.items()) if name.startswith("checkpointing")]:
+            if getattr(module, "decode_manifest", None) is real:
+                module.decode_manifest = counting
+        try:
+            for step in range(1, saves + 1):
+                if step % 2:
+                    train(model, opt, 1, rank=rank, start=step)
+                written.append(mgr.save(step, {"model": model, "optim": opt}).wait().bytes_written)  # even steps: nothing changed
+        finally:
+            for module in [m for name, m in list(sys.modules.items()) if name.startswith("checkpointing")]:
+                if getattr(module, "decode_manifest", None) is counting:
+                    module.decode_manifest = real
+    fresh, fresh_opt = build(world, seed=123)
+    with CheckpointManager(directory, timeout_s=60) as mgr:
+        restored = mgr.restore({"model": fresh, "optim": fresh_opt})
+    assert_same(full_state(model, opt), full_state(fresh, fresh_opt))
+    return {"decoded": decoded[0], "bytes_written": written, "restored": restored}

@@ -114,6 +114,20 @@ def test_node_local_tiers_hold_what_their_ranks_need(tmp_path, capsys):
         assert r.startswith("error: no step can be restored on every rank: step 1 is committed but rank 1 cannot read it"), r
 
 
+def test_only_the_tier_leader_decodes_the_manifest_of_each_save(tmp_path):
+    """Ranks that commit on no tier keep rank 0's CommittedStep (digest and file table), never the
+    job's whole manifest: it would cost every rank O(all ranks' tensors) of CPU per save. Their
+    incremental saves still build on what was committed."""
+    saves = 4
+    r0, r1 = run_ranks(_dist.manifest_decodes, 2, str(tmp_path / "ck"), saves, tmp=tmp_path)
+    assert r1["decoded"] == 0, r1
+    assert r0["decoded"] >= saves, r0  # rank 0 checks each manifest it merged decodes (and the spy sees it)
+    for r in (r0, r1):  # odd steps trained (every chunk new), even steps did not (nothing new but page padding)
+        odd, even = r["bytes_written"][0::2], r["bytes_written"][1::2]
+        assert min(odd) > 16 * max(even), r["bytes_written"]
+    assert r0["restored"] == r1["restored"] == saves  # bit-exact (the worker compares)
+
+
 def _manifest(directory: str, step: int) -> dict:
     from pathlib import Path
 

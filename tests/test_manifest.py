@@ -23,18 +23,20 @@ from hypothesis import strategies as st
 from checkpointing.format import naming
 from checkpointing.format.dtypes import BY_NAME, itemsize
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, ManifestError
-from checkpointing.format.decode import MAX_TREE_DEPTH, decode_commit, decode_manifest
+from checkpointing.format.decode import MAX_TREE_DEPTH, decode_commit, decode_committed_step, decode_manifest
 from checkpointing.format.manifest import (
     CHUNK_DIGEST,
     FORMAT_VERSION,
     ChunkRef,
     FileEntry,
     CommitMarker,
+    CommittedStep,
     Manifest,
     ShardEntry,
     TensorEntry,
     canonical_json,
     encode_commit,
+    encode_committed_step,
     encode_manifest,
     manifest_digest,
 )
@@ -337,6 +339,27 @@ def test_roundtrip_random_commits(c):
     assert encode_commit(decode_commit(data, WHERE)) == data
 
 
+@ROUNDTRIP
+@given(manifests())
+def test_roundtrip_random_committed_steps(m):
+    """What rank 0 tells the ranks that commit on no tier: the step, digest, world size and file table."""
+    c = CommittedStep.of(m, manifest_digest(encode_manifest(m)))
+    data = encode_committed_step(c)
+    assert decode_committed_step(data, WHERE) == c
+    assert (c.step, c.world_size, c.files) == (m.step, m.world_size, m.files)
+    assert encode_committed_step(decode_committed_step(data, WHERE)) == data
+
+
+def test_a_bad_tree_node_is_named_by_its_path():
+    tree = {"dict": [["model", {"stateful": {"dict": [["layers", {"list": [{"value": 1}, {"value": [2]}]}]]}, "class": "M"}]]}
+    with pytest.raises(ManifestError) as info:
+        decode_manifest(encode_manifest(Manifest.single(1, tree, ())), WHERE)
+    assert str(info.value) == f"{WHERE} trees[0]/model/layers/1: value must be null, bool, integer, finite float or string"
+    for bad in (-1, True, 1.5, "0"):
+        with pytest.raises(ManifestError, match=r"trees\[0\]/t: tensor index must be an integer >= 0"):
+            decode_manifest(encode_manifest(Manifest.single(1, {"dict": [["t", {"tensor": bad}]]}, ())), WHERE)
+
+
 def _chain(depth: int) -> dict:
     """A tree whose deepest node sits at nesting level `depth` (the root is level 0)."""
     node: dict = {"value": 1}
@@ -380,7 +403,7 @@ def _decode_or_manifest_error(fn, data: bytes):
         assert WHERE in msg, f"message does not say where the bad bytes are: {msg[:300]!r}"
         return None
     # anything accepted must be a well-formed object that encodes again to canonical bytes
-    enc = encode_manifest if isinstance(out, Manifest) else encode_commit
+    enc = {Manifest: encode_manifest, CommittedStep: encode_committed_step}.get(type(out), encode_commit)
     again = enc(out)
     assert fn(again, WHERE) == out
     return out
@@ -447,6 +470,12 @@ def test_byte_mutations_of_a_manifest(data):
 @given(byte_mutations(GOLDEN_COMMIT_BYTES))
 def test_byte_mutations_of_a_commit(data):
     _decode_or_manifest_error(decode_commit, data)
+
+
+@FUZZ
+@given(byte_mutations(encode_committed_step(CommittedStep.of(golden_manifest(), manifest_digest(GOLDEN_BYTES)))))
+def test_byte_mutations_of_a_committed_step(data):
+    _decode_or_manifest_error(decode_committed_step, data)
 
 
 BAD_VALUES = [

@@ -14,8 +14,9 @@ from checkpointing.dist.remote_commit import LocalTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.keys import new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
-from checkpointing.dist.types import Committed, Coordinator, SaveRef, TierCommitter, Written
+from checkpointing.dist.types import Coordinator, SaveRef, TierCommitter, Written
 from checkpointing.errors import CheckpointConfigError, CheckpointError, MergeError
+from checkpointing.format.manifest import CommittedStep
 from checkpointing.format.rank_reports import RankPart, merge_parts
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
@@ -73,12 +74,12 @@ class LocalCoordinator:
     def fail(self, save: SaveRef, error: BaseException) -> None:
         pass
 
-    def commit(self, save: SaveRef, part: RankPart) -> Committed:
+    def commit(self, save: SaveRef, part: RankPart) -> CommittedStep:
         try:
             manifest, data, _ = merge_parts(save.step, [part], self.tiers, save.metrics)
         except MergeError as exc:
             raise CheckpointError(f"step {save.step} cannot be committed: {exc}") from None
-        return Committed(manifest, catalog.commit_bytes(self.storage, save.step, data, save.token, manifest))
+        return CommittedStep.of(manifest, catalog.commit_bytes(self.storage, save.step, data, save.token, manifest))
 
     def barrier(self, name: str, error: str | None = None) -> None:
         if error is not None:

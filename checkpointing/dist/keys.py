@@ -94,6 +94,10 @@ def save_manifest(seq: int) -> str:
     return f"save/{seq}/manifest"
 
 
+def save_committed(seq: int) -> str:
+    return f"save/{seq}/committed"
+
+
 def save_status(seq: int) -> str:
     return f"save/{seq}/status"
 
@@ -101,7 +105,7 @@ def save_status(seq: int) -> str:
 def save_all(seq: int, world_size: int) -> list[str]:
     """Every key of save number `seq` (to delete them once every rank is past it)."""
     per_rank = [fn(seq, r) for fn in (save_written, save_part, save_ack) for r in range(world_size)]
-    return [save_manifest(seq), save_status(seq)] + per_rank
+    return [save_manifest(seq), save_committed(seq), save_status(seq)] + per_rank
 
 
 # ---------------------------------------------------------------- one upload (StoreTierCommitter)

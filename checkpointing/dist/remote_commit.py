@@ -1,7 +1,7 @@
 """Committing a step on the remote tier, with one rank or across ranks (I/O through the store).
 
 Every rank uploads its own data files of a step (save/uploader.py), then calls
-`commit(seq, manifest, error, transfer_s)` of the committer its coordinator gives it
+`commit(seq, committed, error, transfer_s)` of the committer its coordinator gives it
 (`Coordinator.remote_committer`):
 
     one rank      write the manifest, then COMMIT (exclusive create), on the remote tier
@@ -29,18 +29,18 @@ from checkpointing.dist import keys
 from checkpointing.dist.store import delete_keys, store_errors, wait_keys
 from checkpointing.dist.types import StoreRoom
 from checkpointing.errors import CheckpointError, CoordinationTimeout, UploadRanksFailed
-from checkpointing.format.manifest import Manifest
+from checkpointing.format.manifest import CommittedStep
 from checkpointing.storage import Storage
 from checkpointing.tier import catalog
 
 log = logging.getLogger("checkpointing")
 
 
-def commit_remote(local: Storage, remote: Storage, manifest: Manifest) -> None:
+def commit_remote(local: Storage, remote: Storage, committed: CommittedStep) -> None:
     """Check the step's data objects are on the remote tier (whole), then write its manifest and COMMIT there."""
-    step = manifest.step
-    rank_of_file = {f.path: f.rank for f in manifest.files}
-    primary = [(f.path, f.primary_bytes) for f in manifest.files if f.primary_bytes]
+    step = committed.step
+    rank_of_file = {f.path: f.rank for f in committed.files}
+    primary = [(f.path, f.primary_bytes) for f in committed.files if f.primary_bytes]
     for path, size, expected in catalog.size_mismatches(remote, primary):
         found = "missing" if size is None else f"{size} bytes"
         raise CheckpointError(
@@ -56,10 +56,10 @@ class LocalTierCommitter:
     def __init__(self, local: Storage, remote: Storage) -> None:
         self.local, self.remote = local, remote
 
-    def commit(self, seq: int, manifest: Manifest, error: BaseException | None, transfer_s: float) -> None:
+    def commit(self, seq: int, committed: CommittedStep, error: BaseException | None, transfer_s: float) -> None:
         if error is not None:
             raise error
-        commit_remote(self.local, self.remote, manifest)
+        commit_remote(self.local, self.remote, committed)
 
     def close(self) -> None:
         pass
@@ -74,24 +74,24 @@ class StoreTierCommitter:
         self.store = coord.new_store_client()
 
     @store_errors
-    def commit(self, seq: int, manifest: Manifest, error: BaseException | None, transfer_s: float) -> None:
+    def commit(self, seq: int, committed: CommittedStep, error: BaseException | None, transfer_s: float) -> None:
         report = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
         self.store.set(keys.upload(seq, self.rank), json.dumps(report))
         deadline = time.monotonic() + self.timeout_s + 2 * transfer_s
         if self.rank == 0:
-            self._decide(seq, manifest, deadline)
+            self._decide(seq, committed, deadline)
         status_key = keys.upload_status(seq)
-        wait_keys(self.store, [status_key], deadline + self.timeout_s, f"step {manifest.step}: waiting for rank 0's remote commit",
+        wait_keys(self.store, [status_key], deadline + self.timeout_s, f"step {committed.step}: waiting for rank 0's remote commit",
                   keys_rank=lambda k: 0, timeout_s=self.timeout_s)
         status = json.loads(self.store.get(status_key))
         if not status["ok"]:
             raise UploadRanksFailed({int(r): c for r, c in status["failures"].items()})
 
-    def _decide(self, seq: int, manifest: Manifest, deadline: float) -> None:
+    def _decide(self, seq: int, committed: CommittedStep, deadline: float) -> None:
         reports = [keys.upload(seq, r) for r in range(self.world_size)]
         failures: dict[int, str] = {}
         try:
-            wait_keys(self.store, reports, deadline, f"step {manifest.step}: waiting for every rank's upload", timeout_s=self.timeout_s)
+            wait_keys(self.store, reports, deadline, f"step {committed.step}: waiting for every rank's upload", timeout_s=self.timeout_s)
         except CoordinationTimeout as exc:
             failures = {r: str(exc) for r in exc.ranks}
         else:
@@ -103,7 +103,7 @@ class StoreTierCommitter:
             self._forget(seq - 1)
         if not failures:
             try:
-                commit_remote(self.local, self.remote, manifest)
+                commit_remote(self.local, self.remote, committed)
             except Exception as exc:  # noqa: BLE001 - the verdict carries it to every rank
                 failures[0] = f"committing on the remote tier: {type(exc).__name__}: {exc}"
         verdict = {"ok": not failures, "failures": {str(r): c for r, c in failures.items()}}

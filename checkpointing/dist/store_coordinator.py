@@ -7,6 +7,8 @@ Per save (numbered `seq`, the same on every rank; the keys are built in keys.py)
     save/<seq>/ws/<rank>    what replicated tensors this rank writes (its local-tier peers skip those bytes)
     save/<seq>/part/<rank>  its report after writing and fsyncing (rank_reports.RankPart), or its error
     save/<seq>/manifest     rank 0's merged manifest, with rank 0's save() metrics (or nothing, if the step failed)
+    save/<seq>/committed    with it, its digest and file table (format: CommittedStep): all that a rank which
+                            commits on no tier keeps of the step, so it neither reads nor decodes the manifest
     save/<seq>/ack/<rank>   each local tier's leader wrote manifest + COMMIT there, or its error
     save/<seq>/status       rank 0's verdict: committed, or which ranks failed and why
 
@@ -25,10 +27,11 @@ from checkpointing.dist import keys
 from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys
-from checkpointing.dist.types import Committed, SaveRef, Store, TierCommitter, Written
+from checkpointing.dist.types import SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
-from checkpointing.format.manifest import Manifest, manifest_digest
-from checkpointing.format.rank_reports import RankPart, decode_part, encode_part, merge_parts
+from checkpointing.format.decode import decode_committed_step
+from checkpointing.format.manifest import CommittedStep, Manifest, encode_committed_step, manifest_digest
+from checkpointing.format.rank_reports import RankPart, encode_part, merge_parts, part_from
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.tierfile import ensure_tier_id
@@ -97,7 +100,7 @@ class StoreCoordinator:
             self._shared.discard(save.seq)
 
     @store_errors
-    def commit(self, save: SaveRef, part: RankPart) -> Committed:
+    def commit(self, save: SaveRef, part: RankPart) -> CommittedStep:
         """Report this rank's part; rank 0 merges; every tier's leader commits there. Raises if any rank failed."""
         try:
             self.store.set(keys.save_part(save.seq, self.rank), encode_part(part))
@@ -116,7 +119,7 @@ class StoreCoordinator:
         except Exception as exc:  # noqa: BLE001 - the store is gone too: the others will time out
             log.warning("checkpointing: could not report rank %d's failure of step %d: %s", self.rank, save.step, exc)
 
-    def _finish(self, save: SaveRef) -> Committed:
+    def _finish(self, save: SaveRef) -> CommittedStep:
         deadline = time.monotonic() + self.timeout_s
         merged = self.rank == 0 and self._merge(save, deadline)
         # rank 0 may spend timeout_s on the reports and again on the tiers' commits: others wait longer
@@ -130,11 +133,10 @@ class StoreCoordinator:
         if not status["ok"]:
             raise RanksFailedError(save.step, {int(r): c for r, c in status["failures"].items()})
         self.per_rank_keys = frozenset(status["per_rank_keys"])
-        if committed is None:
-            data = self.store.get(keys.save_manifest(save.seq))
-            # what its tier leader's COMMIT names
-            digest = manifest_digest(data)
-            committed = Committed(catalog.decoded_manifest(data, f"step {save.step} manifest from rank 0", digest), digest)
+        if committed is None:  # committed by its tier's leader: rank 0's account of it (not the manifest: see keys.save_committed)
+            committed = decode_committed_step(self.store.get(keys.save_committed(save.seq)), f"rank 0's account of step {save.step}")
+            if committed.step != save.step:
+                raise CheckpointError(f"step {save.step}: rank 0 reported committing step {committed.step} in its place (two jobs in one store?)")
         return committed
 
     def _merge(self, save: SaveRef, deadline: float) -> bool:
@@ -155,7 +157,7 @@ class StoreCoordinator:
             if msg.get("ok") is False:
                 (roots if msg.get("root") else failures)[r] = msg["error"]
             else:
-                parts.append(decode_part(data))
+                parts.append(part_from(msg))
         if roots or failures:
             self._verdict(save, roots or failures)
             return False
@@ -167,6 +169,7 @@ class StoreCoordinator:
         self._per_rank_pending = sorted(per_rank)
         self._merged = (save.seq, manifest)
         self.store.set(keys.save_manifest(save.seq), data)
+        self.store.set(keys.save_committed(save.seq), encode_committed_step(CommittedStep.of(manifest, manifest_digest(data))))
         return True
 
     def _collect_acks(self, save: SaveRef, deadline: float) -> None:
@@ -183,7 +186,7 @@ class StoreCoordinator:
         status = {"ok": not failures, "failures": {str(r): c for r, c in failures.items()}, "per_rank_keys": per_rank or []}
         self.store.set(keys.save_status(save.seq), json.dumps(status))
 
-    def _commit_tier(self, save: SaveRef, deadline: float) -> Committed | None:
+    def _commit_tier(self, save: SaveRef, deadline: float) -> CommittedStep | None:
         """A local tier's leader: commit rank 0's manifest there and acknowledge (None: the step failed)."""
         manifest_key, status_key = keys.save_manifest(save.seq), keys.save_status(save.seq)
 
@@ -206,7 +209,7 @@ class StoreCoordinator:
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the step everywhere
             ack = {"ok": False, "error": f"committing on its local tier {self.storage.url}: {type(exc).__name__}: {exc}"}
         self.store.set(keys.save_ack(save.seq, self.rank), json.dumps(ack))
-        return Committed(catalog.decoded_manifest(data, f"step {save.step} manifest"), digest) if ack["ok"] else None
+        return CommittedStep.of(catalog.decoded_manifest(data, f"step {save.step} manifest", digest), digest) if ack["ok"] else None
 
     def _status(self, save: SaveRef, deadline: float) -> dict[str, Any]:
         key = keys.save_status(save.seq)

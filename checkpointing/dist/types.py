@@ -1,7 +1,7 @@
 """What crosses into and out of the cross-rank room: the values and the Protocols (layer: dist).
 
 The save and restore paths above this layer hand the coordinator a `SaveRef` (which save a call is
-about) and get values back (`Committed`, `Written` identities, a step number); they never hand it
+about) and get values back (a `CommittedStep`, `Written` identities, a step number); they never hand it
 their job objects, and it never sets anything on them. `Coordinator` is what a manager's
 coordinator offers (one rank: `LocalCoordinator`, coordinator.py; several: `StoreCoordinator`,
 store_coordinator.py); `TierCommitter` is the remote tier's commit (remote_commit.py); `Store` is
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Protocol
 
-from checkpointing.format.manifest import Manifest, Metrics
+from checkpointing.format.manifest import CommittedStep, Metrics
 from checkpointing.format.rank_reports import RankPart
 from checkpointing.storage import Storage
 
@@ -35,14 +35,6 @@ class SaveRef:
     seq: int
     token: str
     metrics: Metrics = dataclasses.field(default_factory=dict, hash=False, compare=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Committed:
-    """A committed step: its manifest, and the sha256 of the manifest bytes its COMMIT names."""
-
-    manifest: Manifest
-    digest: str
 
 
 class Written(NamedTuple):
@@ -78,7 +70,7 @@ class TierCommitter(Protocol):
     every rank, or raises why not (UploadRanksFailed names the failing ranks).
     """
 
-    def commit(self, seq: int, manifest: Manifest, error: BaseException | None, transfer_s: float) -> None: ...
+    def commit(self, seq: int, committed: CommittedStep, error: BaseException | None, transfer_s: float) -> None: ...
 
     def close(self) -> None: ...
 
@@ -120,7 +112,7 @@ class Coordinator(Exchange, Protocol):
         0's verdict, which raises RanksFailedError naming every failing rank."""
         ...
 
-    def commit(self, save: SaveRef, part: RankPart) -> Committed:
+    def commit(self, save: SaveRef, part: RankPart) -> CommittedStep:
         """Report this rank's part; the parts are merged and the step committed on every local tier.
         Raises if any rank failed (RanksFailedError) or did not answer (CoordinationTimeout)."""
         ...

@@ -24,6 +24,7 @@ from checkpointing.format.manifest import (
     FORMAT_VERSION,
     ChunkRef,
     CommitMarker,
+    CommittedStep,
     FileEntry,
     Manifest,
     ShardEntry,
@@ -80,17 +81,29 @@ def _field(obj: dict, name: str, where: str) -> Any:
     return obj[name]
 
 
-def decode_commit(data: bytes, where: str) -> CommitMarker:
-    obj = _load_json(data, where, READABLE_VERSIONS)
+def _manifest_digest(obj: dict, where: str) -> str:
     digest = _field(obj, "manifest_digest", where)
     if not isinstance(digest, str) or not _MANIFEST_DIGEST.fullmatch(digest):
         raise ManifestError(f"{where}: manifest_digest {digest!r:.80} is not 'sha256:<64 hex>'")
+    return digest
+
+
+def decode_commit(data: bytes, where: str) -> CommitMarker:
+    obj = _load_json(data, where, READABLE_VERSIONS)
     return CommitMarker(
         step=_int(_field(obj, "step", where), "step", where),
         manifest=check_relpath(_field(obj, "manifest", where), what=f"{where}: manifest"),
-        manifest_digest=digest,
+        manifest_digest=_manifest_digest(obj, where),
         metrics=check_metrics(obj.get("metrics", {}), where),
     )
+
+
+def decode_committed_step(data: bytes, where: str) -> CommittedStep:
+    """manifest.encode_committed_step's bytes back (this library's own version only: they never leave the job)."""
+    obj = _load_json(data, where)
+    world_size = _int(_field(obj, "world_size", where), "world_size", where, lo=1)
+    return CommittedStep(step=_int(_field(obj, "step", where), "step", where), digest=_manifest_digest(obj, where), world_size=world_size,
+                         files=_decode_files(_field(obj, "files", where), world_size, where))
 
 
 def check_metrics(metrics: Any, where: str) -> dict[str, int | float]:

@@ -100,6 +100,24 @@ class Manifest:
 
 
 @dataclasses.dataclass(frozen=True)
+class CommittedStep:
+    """A committed step as a saving rank keeps it: its number, the sha256 of the manifest bytes its
+    COMMIT names, and the manifest's world size and file table. The next incremental save, the
+    upload and the peer copies need no more (only a reader needs the tensors), so a rank that does
+    not write the manifest to a tier gets this small value instead of decoding the whole job's
+    manifest after every save."""
+
+    step: int
+    digest: str  # "sha256:<hex>" of the manifest bytes
+    world_size: int
+    files: tuple[FileEntry, ...]
+
+    @classmethod
+    def of(cls, manifest: Manifest, digest: str) -> "CommittedStep":
+        return cls(manifest.step, digest, manifest.world_size, manifest.files)
+
+
+@dataclasses.dataclass(frozen=True)
 class CommitMarker:
     step: int
     manifest: str  # relative path of the manifest file
@@ -145,6 +163,10 @@ def _encode_shard(s: ShardEntry) -> dict[str, Any]:
     return out
 
 
+def _encode_files(files: tuple[FileEntry, ...]) -> list[list[Any]]:
+    return [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in files]
+
+
 def encode_manifest(m: Manifest) -> bytes:
     if m.format_version != FORMAT_VERSION:
         raise ValueError(f"this library writes manifest version {FORMAT_VERSION}, not {m.format_version}")
@@ -155,7 +177,7 @@ def encode_manifest(m: Manifest) -> bytes:
             "step": m.step,
             "world_size": m.world_size,
             "chunk_digest": CHUNK_DIGEST,
-            "files": [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in m.files],
+            "files": _encode_files(m.files),
             "trees": list(m.trees),
             "rank_trees": list(m.rank_trees),
             "tensors": [
@@ -164,6 +186,12 @@ def encode_manifest(m: Manifest) -> bytes:
             ],
         }
     )
+
+
+def encode_committed_step(c: CommittedStep) -> bytes:
+    """What rank 0 tells the other ranks of a step it committed (decode.decode_committed_step reads it)."""
+    return canonical_json({"format_version": FORMAT_VERSION, "step": c.step, "manifest_digest": c.digest, "world_size": c.world_size,
+                           "files": _encode_files(c.files)})
 
 
 def encode_commit(c: CommitMarker) -> bytes:

@@ -76,6 +76,14 @@ def decode_part(data: bytes) -> RankPart:
     """Parts come from our own ranks over the store; a malformed one is a bug, reported as ManifestError."""
     try:
         obj = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"a rank's save report is malformed ({type(exc).__name__}: {exc})") from None
+    return part_from(obj)
+
+
+def part_from(obj: Any) -> RankPart:
+    """decode_part of the report's JSON, parsed already (the coordinator reads its `ok` first)."""
+    try:
         leaves = tuple(
             PartLeaf(k, dt, tuple(shape), None if g is None else tuple(g[0]), None if g is None else tuple(g[1]), dig, region,
                      None if chunks is None else tuple((str(f), int(o), int(n), str(d)) for f, o, n, d in chunks), tuple(int(r) for r in mesh))
@@ -83,7 +91,7 @@ def decode_part(data: bytes) -> RankPart:
         )
         borrowed = tuple(FileEntry(str(p), int(r), str(t), int(n), int(pb)) for p, r, t, n, pb in obj.get("borrowed", []))
         return RankPart(int(obj["rank"]), str(obj["file"]), int(obj["nbytes"]), obj["tree"], leaves, borrowed)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ManifestError(f"a rank's save report is malformed ({type(exc).__name__}: {exc})") from None
 
 

@@ -29,7 +29,7 @@ from checkpointing.dist import keys
 from checkpointing.dist.store import delete_keys
 from checkpointing.dist.types import Store
 from checkpointing.errors import CheckpointTimeoutError, rank_ranges
-from checkpointing.format.manifest import Manifest
+from checkpointing.format.manifest import CommittedStep
 from checkpointing.peer.liveness import beating, wait_alive
 from checkpointing.peer.server import Address, push
 from checkpointing.peer.types import CheckpointPeerError, CopyResult, PeerJob
@@ -71,7 +71,7 @@ class Copier:
         self._jobs: dict[int, PeerJob] = {}  # by seq: not yet waited for and reported
         self._published: list[int] = []  # this leader's outcome keys still in the store, by seq
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[PeerJob, Manifest | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[PeerJob, CommittedStep | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-peer", daemon=True)
         self._thread.start()
 
@@ -126,11 +126,11 @@ class Copier:
 
     # ------------------------------------------------------------ the worker's side (ckpt-io thread)
 
-    def committed(self, seq: int, step: int, manifest: Manifest | None) -> None:
-        """Save `seq` is committed locally (`manifest`), or failed (None): queue its copies."""
+    def committed(self, seq: int, step: int, committed: CommittedStep | None) -> None:
+        """Save `seq` is committed locally (`committed`), or failed (None): queue its copies."""
         job = self.track(seq, step)
         job.step = step  # wait_previous may have created it without
-        self._queue.put((job, manifest))
+        self._queue.put((job, committed))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -140,9 +140,9 @@ class Copier:
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            job, manifest = item
+            job, committed = item
             try:
-                if manifest is None:
+                if committed is None:
                     job.finish(None)
                     continue
                 if self.node.is_leader:

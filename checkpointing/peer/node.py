@@ -26,7 +26,7 @@ from checkpointing.dist import keys
 from checkpointing.dist.store import store_host, wait_keys
 from checkpointing.dist.types import Coordinator, Store
 from checkpointing.errors import CheckpointError
-from checkpointing.format.manifest import Manifest
+from checkpointing.format.manifest import CommittedStep
 from checkpointing.options import ManagerOptions
 from checkpointing.peer.copies import Copier, Node
 from checkpointing.peer.recovery import Recovery
@@ -53,7 +53,7 @@ class NoPeers:
     def held(self) -> set[int]:
         return set()
 
-    def committed(self, seq: int, step: int, manifest: Manifest | None) -> None:
+    def committed(self, seq: int, step: int, committed: CommittedStep | None) -> None:
         return None
 
     def track(self, seq: int, step: int) -> None:
@@ -164,9 +164,9 @@ class Peers:
     def held(self) -> set[int]:
         return self._copier.held() if self._copier is not None else set()
 
-    def committed(self, seq: int, step: int, manifest: Manifest | None) -> None:
+    def committed(self, seq: int, step: int, committed: CommittedStep | None) -> None:
         if self._copier is not None:
-            self._copier.committed(seq, step, manifest)
+            self._copier.committed(seq, step, committed)
 
     def track(self, seq: int, step: int) -> PeerJob | None:
         return self._copier.track(seq, step) if self._copier is not None else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Mapping
 
-from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest
+from checkpointing.format.manifest import ChunkRef, CommittedStep, FileEntry, Manifest
 from checkpointing.plan.pack import PackPlan
 
 REWRITE_BELOW = 0.5  # take chunks from a file only if they are at least this share of its bytes
@@ -77,15 +77,14 @@ class Match:
 
 
 def base_after_save(
-    plan: PackPlan, pool_generation: int, manifest: Manifest, manifest_digest: str, digests: list[str], refs: list[ChunkRef | None],
-    keys: list[PlaceKey],
+    plan: PackPlan, pool_generation: int, committed: CommittedStep, digests: list[str], refs: list[ChunkRef | None], keys: list[PlaceKey],
 ) -> ReuseBase:
-    """The base for the next save, once `manifest` is committed. A reference into a file the
-    manifest does not list is dropped: nothing keeps that file alive."""
-    files = {f.path: f for f in manifest.files}
+    """The base for the next save, once `committed`. A reference into a file its manifest does not
+    list is dropped: nothing keeps that file alive."""
+    files = {f.path: f for f in committed.files}
     kept = tuple(r if r is not None and r.file in files else None for r in refs)
     used = {r.file for r in kept if r is not None}
-    return ReuseBase(plan, pool_generation, manifest.step, manifest_digest, tuple(digests), kept,
+    return ReuseBase(plan, pool_generation, committed.step, committed.digest, tuple(digests), kept,
                      {p: f for p, f in files.items() if p in used}, tuple(keys))
 
 

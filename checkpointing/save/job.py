@@ -27,7 +27,7 @@ import torch
 from checkpointing.dist.types import SaveRef
 from checkpointing.errors import CheckpointSaveError
 from checkpointing.format import naming
-from checkpointing.format.manifest import ChunkRef, Manifest, Metrics
+from checkpointing.format.manifest import ChunkRef, CommittedStep, Metrics
 from checkpointing.observe.metrics import SaveStats
 from checkpointing.plan.pack import PackPlan, plan_pack
 from checkpointing.plan.reuse import PlaceKey, ReuseBase
@@ -124,7 +124,7 @@ class Reverified:
 
 class SaveOutcome:
     """What became of the save. The ckpt-io thread writes it: `pin` (the writer, while writing),
-    `written`, `manifest`, `manifest_digest`, `t_committed` and `yielded_s` (the worker, from what
+    `written`, `committed`, `t_committed` and `yielded_s` (the worker, from what
     the coordinator returns), then `done`; `reverified` (the worker, before the write); `hurry` (the
     worker, when the job is submitted; `wait()` calls it). `error` is the worker's (or save()'s, for
     a save that failed inside it); `stats` is the SaveRecords' (save/records.py); whoever raises or
@@ -135,8 +135,7 @@ class SaveOutcome:
         self.pin: str | None = None  # this rank's pin while the save is in flight (tier/pins.py)
         self.written: WriteResult | None = None
         self.reverified = Reverified()  # the worker's, before the write: re-verification since the previous save
-        self.manifest: Manifest | None = None  # the committed manifest
-        self.manifest_digest = ""  # the sha256 its COMMIT names
+        self.committed: CommittedStep | None = None  # the step as committed (its manifest's digest and file table)
         self.t_committed = 0.0
         self.stats: SaveStats | None = None  # once recorded; replaced when its step fields are final
         self.error: BaseException | None = None
@@ -155,14 +154,12 @@ class SaveOutcome:
 
 @dataclasses.dataclass(eq=False)
 class UploadJob:
-    """One step on its way to the remote tier. The worker fills in `manifest`, `manifest_digest`
-    and `t_local` before it hands the job over; the uploader writes `seq` (at submit) and the rest;
-    `done` is set last."""
+    """One step on its way to the remote tier. The worker fills in `committed` and `t_local` before
+    it hands the job over; the uploader writes `seq` (at submit) and the rest; `done` is set last."""
 
     step: int
     save: SaveJob | None = None  # the save it continues (None: an upload resumed at start-up)
-    manifest: Manifest | None = None
-    manifest_digest: str = ""  # the sha256 its COMMIT names ("" for a resumed upload)
+    committed: CommittedStep | None = None  # as committed on the local tier
     seq: int = -1  # upload number, the same on every rank (set by Uploader.submit)
     t_local: float = 0.0  # perf_counter when the step was committed locally
     t_done: float = 0.0

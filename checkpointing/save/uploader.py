@@ -44,7 +44,7 @@ from checkpointing.tier import collect, pins
 from checkpointing.format import naming
 from checkpointing.dist.types import Coordinator, TierCommitter
 from checkpointing.errors import CheckpointConfigError, CheckpointError
-from checkpointing.format.manifest import Manifest, encode_manifest, manifest_digest
+from checkpointing.format.manifest import CommittedStep
 from checkpointing.plan.retention import RetentionPolicy
 from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
@@ -130,7 +130,7 @@ class Uploader:
 
     def _run(self, job: UploadJob) -> None:
         """Upload, commit, tidy; never raises (the error is kept on the job)."""
-        assert job.manifest is not None
+        assert job.committed is not None
         if self._cpu is not None:
             self._cpu.waited = lambda: job.waited or self._closing  # lowered only while nothing waits for this upload
             self._cpu.hurry()  # at normal priority first, so that lower() starts its deadline timer from a normal thread
@@ -141,10 +141,9 @@ class Uploader:
                 self._upload_own(job)
             except BaseException as exc:  # noqa: BLE001 - reported through the committer, then kept
                 error = exc
-            self.committer.commit(job.seq, job.manifest, error, job.transfer_s)
+            self.committer.commit(job.seq, job.committed, error, job.transfer_s)
             self.saw_remote(added={job.step})
-            digest = job.manifest_digest or manifest_digest(encode_manifest(job.manifest))  # resumed: not known yet
-            self._base = (job.step, digest, frozenset(f.path for f in job.manifest.files))
+            self._base = (job.step, job.committed.digest, frozenset(f.path for f in job.committed.files))
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
         pins.remove_pin(self.remote, job.pin)
@@ -161,10 +160,10 @@ class Uploader:
         """Send this rank's files of the step. Files of earlier steps (an incremental save's) that
         the newest remote step lists are there already: the pin, then the check that the step is
         still committed, keep a concurrent gc from removing them (collect.py)."""
-        assert job.manifest is not None
+        assert job.committed is not None
         t0 = time.perf_counter()
         try:
-            mine = [f for f in job.manifest.files if f.rank == self.rank and f.primary_bytes > 0]
+            mine = [f for f in job.committed.files if f.rank == self.rank and f.primary_bytes > 0]
             own_dir = naming.step_dir(job.step) + "/"
             earlier = [f.path for f in mine if not f.path.startswith(own_dir)]
             job.pin = pins.write_pin(self.remote, job.step, self.rank, naming.new_token(), earlier)
@@ -195,10 +194,10 @@ class Uploader:
             if newest is None:
                 return frozenset()
             try:
-                manifest = catalog.load_manifest(self.remote, newest)
+                manifest, digest = catalog.committed_manifest(self.remote, newest)
             except (CheckpointError, OSError):
                 return frozenset()
-            self._base = (newest, manifest_digest(encode_manifest(manifest)), frozenset(f.path for f in manifest.files))
+            self._base = (newest, digest, frozenset(f.path for f in manifest.files))
         step, digest, files = self._base
         return files if pins.still_committed(self.remote, step, digest) else frozenset()
 
@@ -239,21 +238,21 @@ def start_uploader(
     resumed = []
     for step in agreed:
         log.info("checkpointing: step %d is committed locally but not on %s: resuming its upload", step, remote.url)
-        job = UploadJob(step, manifest=mine[step], t_local=time.perf_counter())
+        job = UploadJob(step, committed=mine[step], t_local=time.perf_counter())
         uploader.submit(job)
         resumed.append(job)
     return uploader, resumed
 
 
-def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank: int, world_size: int) -> dict[int, Manifest]:
+def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank: int, world_size: int) -> dict[int, CommittedStep]:
     """Local committed steps newer than the newest remote one whose upload this rank can do (its files are here)."""
     newest = max(remote_committed, default=-1)
-    out: dict[int, Manifest] = {}
+    out: dict[int, CommittedStep] = {}
     for step in catalog.list_steps(local).committed:
         if step <= newest:
             continue
         try:
-            manifest = catalog.load_manifest(local, step)
+            manifest, digest = catalog.committed_manifest(local, step)
         except CheckpointError as exc:
             log.warning("checkpointing: not uploading step %d: %s", step, exc)
             continue
@@ -262,7 +261,7 @@ def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank:
             continue
         mine = [f for f in manifest.files if f.rank == rank and f.primary_bytes]
         if all(_local_size(local, f.path) >= f.primary_bytes for f in mine):
-            out[step] = manifest
+            out[step] = CommittedStep.of(manifest, digest)
     return out
 
 

@@ -25,7 +25,7 @@ from checkpointing.save.serial import SerialThread
 from checkpointing.dist.types import Coordinator
 from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
-from checkpointing.format.manifest import ChunkRef, Manifest
+from checkpointing.format.manifest import ChunkRef, CommittedStep
 from checkpointing.plan import scrub
 from checkpointing.plan.retention import RetentionPolicy
 from checkpointing.plan.reuse import ReuseBase, base_after_restore, base_after_save
@@ -145,11 +145,11 @@ class SaveWorker:
                  write_block: int, incremental: bool, records: SaveRecords, retention: LocalRetention,
                  uploader: Uploader | None, reverify_every: int | None = scrub.DEFAULT_EVERY,
                  reverify_bytes_per_s: float = scrub.DEFAULT_BYTES_PER_S,
-                 after_local: Callable[[int, int, Manifest | None], None] | None = None,
+                 after_local: Callable[[int, int, CommittedStep | None], None] | None = None,
                  yield_s: float | None = None) -> None:
         self._storage, self._pool, self._coord = storage, pool, coord
         self._cpu = CpuYield(yield_s)  # background_yield_s: this thread and the write-behind ones (save/yielding.py)
-        self._after_local = after_local  # (seq, step, committed manifest or None): peer copies (checkpointing/peer/)
+        self._after_local = after_local  # (seq, step, what was committed, or None): peer copies (checkpointing/peer/)
         self._write_block, self._incremental = write_block, incremental
         self._records, self._retention, self._uploader = records, retention, uploader
         self._base: ReuseBase | None = None
@@ -233,7 +233,7 @@ class SaveWorker:
         if outcome.error is None:
             self._retention.after_commit(job.step)
         if self._after_local is not None:
-            self._after_local(job.seq, job.step, outcome.manifest if outcome.error is None else None)
+            self._after_local(job.seq, job.step, outcome.committed if outcome.error is None else None)
         self._hand_on(job)
         self._retention.collect()  # the waiters are released: now the retired steps' files
         if outcome.error is None and outcome.written is not None:
@@ -260,14 +260,13 @@ class SaveWorker:
             if catalog.committed_digest(self._storage, job.step) is None:  # e.g. a COMMIT linked, then an error: keep its data
                 self._storage.delete(part.file)  # nothing will ever reference this pack
             raise
-        job.outcome.manifest, job.outcome.manifest_digest = committed.manifest, committed.digest
+        job.outcome.committed = committed
         job.outcome.t_committed = time.perf_counter()
         low = self._cpu.committed()
         job.outcome.yielded_s = low if self._cpu.enabled else None
         plan = job.inputs.plan
         if self._incremental and written.refs and not plan.ring:
-            self._base = base_after_save(plan, self._pool.allocations, job.outcome.manifest, job.outcome.manifest_digest,
-                                         written.digests, written.refs, written.keys)
+            self._base = base_after_save(plan, self._pool.allocations, committed, written.digests, written.refs, written.keys)
 
     def _hand_on(self, job: SaveJob) -> None:
         """Committed: to the uploader (which records it once uploaded), or recorded now; then `done`."""
@@ -275,7 +274,7 @@ class SaveWorker:
         if outcome.error_reported:  # failed inside save(): raised there, nothing to record
             outcome.done.set()
         elif upload is not None and outcome.error is None:
-            upload.manifest, upload.manifest_digest, upload.t_local = outcome.manifest, outcome.manifest_digest, outcome.t_committed
+            upload.committed, upload.t_local = outcome.committed, outcome.t_committed
             assert self._uploader is not None
             self._uploader.submit(upload)  # records the stats once the step is on the remote tier
             outcome.done.set()  # the next save may start: the upload reads the local files, not the staging pool
