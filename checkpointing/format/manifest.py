@@ -163,7 +163,8 @@ def _encode_shard(s: ShardEntry) -> dict[str, Any]:
     return out
 
 
-def _encode_files(files: tuple[FileEntry, ...]) -> list[list[Any]]:
+def encode_files(files: tuple[FileEntry, ...]) -> list[list[Any]]:
+    """A file table as the manifest (and every message that carries one) writes it."""
     return [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in files]
 
 
@@ -177,7 +178,7 @@ def encode_manifest(m: Manifest) -> bytes:
             "step": m.step,
             "world_size": m.world_size,
             "chunk_digest": CHUNK_DIGEST,
-            "files": _encode_files(m.files),
+            "files": encode_files(m.files),
             "trees": list(m.trees),
             "rank_trees": list(m.rank_trees),
             "tensors": [
@@ -191,7 +192,7 @@ def encode_manifest(m: Manifest) -> bytes:
 def encode_committed_step(c: CommittedStep) -> bytes:
     """What rank 0 tells the other ranks of a step it committed (decode.decode_committed_step reads it)."""
     return canonical_json({"format_version": FORMAT_VERSION, "step": c.step, "manifest_digest": c.digest, "world_size": c.world_size,
-                           "files": _encode_files(c.files)})
+                           "files": encode_files(c.files)})
 
 
 def encode_commit(c: CommitMarker) -> bytes:

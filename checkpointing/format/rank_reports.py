@@ -25,7 +25,8 @@ import xxhash
 
 from checkpointing.errors import ManifestError, MergeError
 from checkpointing.format.decode import check_tiling, decode_manifest
-from checkpointing.format.manifest import ChunkRef, FileEntry, Manifest, Metrics, ShardEntry, TensorEntry, canonical_json, encode_manifest
+from checkpointing.format.manifest import (ChunkRef, FileEntry, Manifest, Metrics, ShardEntry, TensorEntry, canonical_json, encode_files,
+                                           encode_manifest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def encode_part(part: RankPart) -> bytes:
                  None if l.chunks is None else [list(c) for c in l.chunks], list(l.mesh)]
                 for l in part.leaves
             ],
-            "borrowed": [[f.path, f.rank, f.tier, f.nbytes, f.primary_bytes] for f in part.borrowed],
+            "borrowed": encode_files(part.borrowed),
         }
     )
 
