@@ -521,6 +521,14 @@ def child_main(P) -> int:
     if world > 1:
         res["ranks"] = world
         import torch.distributed as dist
+        # every rank's own threads per step, by the same labels (the steps are in lockstep): rank 0 samples the
+        # other ranks only as whole processes, which cannot tell their checkpoint threads from their training
+        mine = [(r["cats"]["ckpt"]["cpu_s"], r["cats"]["train"]["cpu_s"] + r["cats"]["intra"]["cpu_s"]) for r in rows]
+        every: list = [None] * world
+        dist.all_gather_object(every, mine)  # nothing in flight any more: the saver has finished and closed
+        for i, row in enumerate(rows):
+            row["ranks_ckpt_cpu_s"] = round(sum(e[i][0] for e in every[1:]), 6)
+            row["ranks_train_cpu_s"] = round(sum(e[i][1] for e in every[1:]), 6)
         dist.barrier()
     if key.startswith("dcp") or world > 1:
         import torch.distributed as dist
@@ -652,7 +660,7 @@ def _val(row, field):
     'cat.blocked_s' is the sample interval less the category's on-CPU and run-queue time: time its
     threads slept (the GIL, an event, a futex in an OpenMP barrier, I/O)."""
     if "." not in field:
-        return row[field]
+        return row.get(field, 0.0) if field.startswith("ranks_") else row[field]  # ranks_*: only in multi-rank runs
     if field.endswith(".blocked_s") and "blocked_s" not in row["cats"][field.split(".")[0]]:  # older records
         cat = field.split(".")[0]
         n = 1 if cat == "train" else row.get("n_" + cat, 1)
@@ -665,6 +673,12 @@ def _val(row, field):
 
 # A config's steps come in groups, one per run (round): each run's windows are measured against that
 # run's own no-save steps (runs can differ in their step time), and the bootstrap resamples within runs.
+
+def ckpt_cpu(a: dict) -> float:
+    """Checkpoint CPU per save: this process's checkpoint threads, plus, with --ranks, every other
+    rank's (each rank's own accounting), else this process's children (DCP's process workers)."""
+    return a["ckpt_cpu_s"] + (a["ranks_ckpt_cpu_s"] if a.get("per_rank_cpu") else a["child_cpu_s"])
+
 
 def per_save_extra(rows, groups, field) -> tuple[list, float]:
     """Per save: sum over its window of `field` - window length x its run's no-save steps' mean;
@@ -752,6 +766,7 @@ FIELDS = {  # per-save extras reported (name -> row field)
     "train_ivcsw": "train.ivcsw", "intra_ivcsw": "intra.ivcsw", "train_vcsw": "train.vcsw",
     "ckpt_wchar": "ckpt.wchar", "child_wchar": "child.wchar", "all_wbytes": "all.wbytes",
     "foreign_s": "foreign_s", "steal_s": "steal_s",
+    "ranks_ckpt_cpu_s": "ranks_ckpt_cpu_s", "ranks_train_cpu_s": "ranks_train_cpu_s",  # --ranks: the other ranks' own threads
 }
 
 
@@ -774,7 +789,8 @@ def analyze(run: dict, P) -> dict:
     wins = [w for g in groups for w in g[0]]
     quiet = [i for g in groups for i in g[1]]
     a: dict = {"name": run["name"], "steps": len(rows), "n_saves": len(wins), "n_quiet": len(quiet),
-               "window_steps_mean": (sum(len(w) for w in wins) / len(wins)) if wins else None}
+               "window_steps_mean": (sum(len(w) for w in wins) / len(wins)) if wins else None,
+               "per_rank_cpu": bool(rows) and "ranks_ckpt_cpu_s" in rows[0]}  # --ranks: each rank's own accounting (below)
     qt = [rows[i]["t"] for i in quiet]
     a["step_quiet_mean_s"] = sum(qt) / len(qt) if qt else None
     a["step_quiet_sd_s"] = (sum((x - a["step_quiet_mean_s"]) ** 2 for x in qt) / max(1, len(qt) - 1)) ** 0.5 if qt else None
@@ -806,7 +822,7 @@ def analyze(run: dict, P) -> dict:
         a["overhead_calm_dist"] = bootstrap(rows, cg, "t", seed=P.seed)
         a["overhead_calm_ci"] = ci(a["overhead_calm_dist"])
         a["step_calm_mean_s"] = mq
-        a["calm"] = {}
+        a["calm"] = {"per_rank_cpu": a["per_rank_cpu"]}
         for name, field in FIELDS.items():
             per, _ = per_save_extra(rows, cg, field)
             a["calm"][name] = sum(per) / len(per)
@@ -1047,8 +1063,7 @@ def finalize(res: dict, P) -> None:
             res["targets"][f"loop overhead <= 0.3 x DCP best, {best} ({ESTIMATORS[name]})"] = {
                 "value": ours["x_dcp"], "ci": ours["x_dcp_ci"], "met": verdict(ours["x_dcp_ci"], 0.3), "primary": name == primary}
     for c in cfgs.values():
-        ckpt = c["ckpt_cpu_s"] + c["child_cpu_s"]
-        c["ckpt_cpu_x_floor"] = ckpt / core if core else None
+        c["ckpt_cpu_x_floor"] = ckpt_cpu(c) / core if core else None
 
 
 def f(x, nd=3):
@@ -1065,8 +1080,9 @@ def _ranks_text(a: dict) -> str:
         return ""
     return (f"**{n} ranks** (processes on gloo, 127.0.0.1), each holding 1/{n} of the state under its own keys, "
             f"{max(1, a['threads'] // n)} torch thread(s) and the batch above each (1/{n} of the model: the job's work split {n} ways), an all-reduce after every step (the ranks move in "
-            "lockstep); rank 0's steps are timed, every rank's process is sampled (the other ranks as children); "
-            "the floors are those of the whole state on one thread. ")
+            "lockstep); rank 0's steps are timed, every rank's process is sampled (the other ranks as children), and "
+            "each rank accounts its own threads per step (checkpoint or training, as rank 0 does): the checkpoint and "
+            "training CPU columns are every rank's; the floors are those of the whole state on one thread. ")
 
 
 def markdown(res: dict) -> str:
@@ -1102,7 +1118,7 @@ def markdown(res: dict) -> str:
              f"against the no-save steps, per save:\n")
     L.append("| config | loop overhead (primary) | all steps | foreign-adjusted | undisturbed (n) | x floor core-s | "
              "x DCP best | overlapping step slowdown | window steps | stall (median) | durable (median) | "
-             "ckpt threads + children CPU-s | training threads extra CPU-s | training threads extra run-queue wait s | "
+             "ckpt threads CPU-s (+ children; every rank's with --ranks) | training threads extra CPU-s | training threads extra run-queue wait s | "
              "foreign CPUs |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
@@ -1129,7 +1145,7 @@ def markdown(res: dict) -> str:
                  f"{est(c, 'calm')} ({c.get('calm_saves')}) | {xf} | {xd} | "
                  f"{f(c.get('slowdown_per_step_s'))} s ({f(c.get('slowdown_pct'), 1)}%) | {f(c['window_steps_mean'], 1)} | "
                  f"{f(c.get('stall_s_median', c.get('call_s_median')))} | {f(c.get('durable_s_median'))} | "
-                 f"{f(c['ckpt_cpu_s'] + c['child_cpu_s'])} | {f(c['train_cpu_s'] + c['intra_cpu_s'])} | "
+                 f"{f(ckpt_cpu(c))} | {f(c['train_cpu_s'] + c['intra_cpu_s'] + c.get('ranks_train_cpu_s', 0.0))} | "
                  f"{f(c['train_wait_s'] + c['intra_wait_s'])} | {f(c.get('foreign_load'), 2)} |")
     L.append("\n**The first save** (not in the windows above: each loop starts with one untimed save): save() blocked "
              "the loop for " + "; ".join(f"{k} {f(c.get('first_call_s'))} s" for k, c in res["configs"].items()
@@ -1148,7 +1164,7 @@ def markdown(res: dict) -> str:
              "carry out the save's disk I/O. Over the "
              f"steps of the primary estimator ({ESTIMATORS[prim]}).\n")
     L.append("| config | loop thread: CPU | run-queue wait | blocked | sleeps (vcsw) | minor faults | intra-op: CPU | "
-             "run-queue wait | blocked | machine steal (vCPU-s) | ckpt threads + children CPU-s | their run-queue wait |")
+             "run-queue wait | blocked | machine steal (vCPU-s) | ckpt threads CPU-s (+ children; every rank's with --ranks) | their run-queue wait |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, c in res["configs"].items():
         if not c.get("est"):
@@ -1156,7 +1172,7 @@ def markdown(res: dict) -> str:
         c = c["calm"] if prim == "calm" and c.get("calm") else c
         L.append(f"| {k} | {f(c['train_cpu_s'])} | {f(c['train_wait_s'])} | {f(c.get('train_blocked_s'))} | "
                  f"{c['train_vcsw']:.0f} | {c['train_minflt']:.0f} | {f(c['intra_cpu_s'])} | {f(c['intra_wait_s'])} | "
-                 f"{f(c.get('intra_blocked_s'))} | {f(c.get('steal_s'))} | {f(c['ckpt_cpu_s'] + c['child_cpu_s'])} | {f(c['ckpt_wait_s'])} |")
+                 f"{f(c.get('intra_blocked_s'))} | {f(c.get('steal_s'))} | {f(ckpt_cpu(c))} | {f(c['ckpt_wait_s'])} |")
     L.append("\nNo-save step time per config (mean ± sd, the reference of its own overheads): " + "; ".join(
         f"{k} {f(c.get('step_quiet_mean_s'))} ± {f(c.get('step_quiet_sd_s'))} (n={c.get('n_quiet')})"
         for k, c in res["configs"].items() if "error" not in c) + ".\n")
@@ -1265,7 +1281,7 @@ def run_one(res: dict, key: str, P, child_argv: list, rnd: int) -> None:
     if e:
         log(f"{key:18s} overhead/save {e['all']['value']:.3f} s [{e['all']['ci'][0]:.3f}, {e['all']['ci'][1]:.3f}]"
             + (f" (undisturbed {e['calm']['value']:.3f}, n={a['calm_saves']})" if "calm" in e else "")
-            + f"  ckpt CPU {a['ckpt_cpu_s'] + a['child_cpu_s']:.3f} s  train wait +{a['train_wait_s'] + a['intra_wait_s']:.3f} s  "
+            + f"  ckpt CPU {ckpt_cpu(a):.3f} s  train wait +{a['train_wait_s'] + a['intra_wait_s']:.3f} s  "
             f"step {a['step_quiet_mean_s']:.3f} s  foreign {a['foreign_load']:.2f} CPUs  [{r['wall_s']:.0f} s]")
     else:
         log(f"{key:18s} step {a['step_quiet_mean_s']:.3f} ± {a['step_quiet_sd_s']:.3f} s  foreign {a['foreign_load']:.2f} CPUs")
