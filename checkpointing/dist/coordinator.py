@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointing.dist.remote_commit import LocalTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
+from checkpointing.dist.gcpause import gc_paused
 from checkpointing.dist.keys import new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
 from checkpointing.dist.types import Coordinator, SaveRef, TierCommitter, Written
@@ -76,7 +77,8 @@ class LocalCoordinator:
 
     def commit(self, save: SaveRef, part: RankPart) -> CommittedStep:
         try:
-            manifest, data, _ = merge_parts(save.step, [part], self.tiers, save.metrics)
+            with gc_paused():  # encoded and decoded: a burst of objects (gcpause.py)
+                manifest, data, _ = merge_parts(save.step, [part], self.tiers, save.metrics)
         except MergeError as exc:
             raise CheckpointError(f"step {save.step} cannot be committed: {exc}") from None
         return CommittedStep.of(manifest, catalog.commit_bytes(self.storage, save.step, data, save.token, manifest))

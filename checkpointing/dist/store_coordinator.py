@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from checkpointing.dist import keys
+from checkpointing.dist.gcpause import gc_paused
 from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys
@@ -152,20 +153,23 @@ class StoreCoordinator:
         failures: dict[int, str] = {}
         roots: dict[int, str] = {}
         parts = []
-        for r, data in enumerate(self.store.multi_get(part_keys)):
-            msg = json.loads(data)
-            if msg.get("ok") is False:
-                (roots if msg.get("root") else failures)[r] = msg["error"]
-            else:
-                parts.append(part_from(msg))
-        if roots or failures:
+        with gc_paused():  # the reports parsed, merged, encoded and decoded: a burst of objects (gcpause.py)
+            for r, data in enumerate(self.store.multi_get(part_keys)):
+                msg = json.loads(data)
+                if msg.get("ok") is False:
+                    (roots if msg.get("root") else failures)[r] = msg["error"]
+                else:
+                    parts.append(part_from(msg))
+            merged = None
+            if not (roots or failures):
+                try:
+                    merged = merge_parts(save.step, parts, self.tiers, save.metrics)  # rank 0's metrics
+                except MergeError as exc:
+                    roots = {0: f"the ranks' reports do not form a consistent checkpoint: {exc}"}
+        if merged is None:
             self._verdict(save, roots or failures)
             return False
-        try:
-            manifest, data, per_rank = merge_parts(save.step, parts, self.tiers, save.metrics)  # rank 0's metrics
-        except MergeError as exc:
-            self._verdict(save, {0: f"the ranks' reports do not form a consistent checkpoint: {exc}"})
-            return False
+        manifest, data, per_rank = merged
         self._per_rank_pending = sorted(per_rank)
         self._merged = (save.seq, manifest)
         self.store.set(keys.save_manifest(save.seq), data)
@@ -204,7 +208,8 @@ class StoreCoordinator:
         digest = ""
         decoded = self._merged[1] if self._merged is not None and self._merged[0] == save.seq else None  # rank 0 has it
         try:
-            digest = catalog.commit_bytes(self.storage, save.step, data, save.token, decoded)
+            with gc_paused():  # another rank's leader decodes the manifest here (gcpause.py)
+                digest = catalog.commit_bytes(self.storage, save.step, data, save.token, decoded)
             ack: dict[str, Any] = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the step everywhere
             ack = {"ok": False, "error": f"committing on its local tier {self.storage.url}: {type(exc).__name__}: {exc}"}

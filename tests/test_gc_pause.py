@@ -1,0 +1,85 @@
+"""The cyclic collector is paused while a step's manifest is built (checkpointing/dist/gcpause.py):
+off inside, back as it was after, across overlapping blocks in several threads; and a real save's
+merge runs inside such a block."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import checkpointing.dist.coordinator as coordinator
+from checkpointing import CheckpointManager
+from checkpointing.dist.gcpause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def _gc_enabled_around():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_off_inside_on_after():
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_process_that_turned_it_off_keeps_it_off():
+    gc.disable()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_an_error_inside_still_turns_it_back_on():
+    with pytest.raises(ValueError):
+        with gc_paused():
+            raise ValueError("boom")
+    assert gc.isenabled()
+
+
+def test_overlapping_blocks_in_two_threads_turn_it_on_after_the_last():
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with gc_paused():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with gc_paused():
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first left"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"after the first left": False}
+    assert gc.isenabled()
+
+
+def test_a_save_merges_with_the_collector_paused_and_leaves_it_on(tmp_path, monkeypatch):
+    states = []
+    real = coordinator.merge_parts
+
+    def spy(*args, **kwargs):
+        states.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "merge_parts", spy)
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"model": model}).wait()
+    assert states == [False]
+    assert gc.isenabled()
