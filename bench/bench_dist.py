@@ -2,6 +2,7 @@
 
     python bench/bench_dist.py commit        # commit time and CPU per save at 1, 2, 4, 8 ranks, small sharded state
     python bench/bench_dist.py flatten       # save()'s walk over 8 x --tensors DTensors (one rank): per DTensor
+    python bench/bench_dist.py merge         # rank 0's merge of 8 reports of 8 x --tensors DTensors, GC on/off, by heap size
     python bench/bench_dist.py sharded       # 2 ranks, a sharded state: per-rank stall and time to commit
     python bench/bench_dist.py mesh2d        # 4 ranks, FSDP2 over tensor parallel on a 2x2 (dp, tp) mesh: the same
     python bench/bench_dist.py all --md      # all of them, as markdown for docs/benchmarks.md
@@ -135,6 +136,61 @@ def bench_flatten(tensors: int, reps: int) -> dict:
     r = launch("flatten_worker", 1, tensors=tensors, reps=reps)[0]
     print(f"flatten {r['leaves']} DTensors: {r['flatten_s'] * 1e3:.1f} ms per save() ({r['flatten_s'] / r['leaves'] * 1e6:.0f} us each)", flush=True)
     return r
+
+
+def synthetic_parts(world: int, tensors: int) -> list:
+    """The reports `world` ranks send rank 0 for `tensors` DTensors each sharded on dim 0 over all of
+    them (one 8 KiB chunk per shard), as format.rank_reports encodes them."""
+    from checkpointing.format.manifest import chunk_digest
+    from checkpointing.format.rank_reports import PartLeaf, RankPart, encode_part, leaf_digest
+
+    parts = []
+    for r in range(world):
+        pack = f"step-0000000001/r{r:05d}.0123456789ab.pack"
+        leaves = []
+        for t in range(tensors):
+            digest = chunk_digest(f"{r}/{t}".encode())
+            leaves.append(PartLeaf(f"params/{t}", "float32", (8, 256), (8 * world, 256), (8 * r, 0),
+                                   leaf_digest("float32", (8, 256), [digest]), 0, ((pack, t * 8192, 8192, digest),), tuple(range(world))))
+        tree = {"dict": [[f"params/{t}", {"tensor": t}] for t in range(tensors)]}
+        parts.append(encode_part(RankPart(r, pack, tensors * 8192, tree, tuple(leaves))))
+    return parts
+
+
+def bench_merge(world: int, tensors: int, heaps: list[int], reps: int = 5) -> list[dict]:
+    """Rank 0's part of a commit in one process (parse every report, merge, encode, decode), with
+    Python's cyclic collector on and off, while the process holds N more long-lived objects (a
+    training process holds a few hundred thousand: torch, the model, a framework)."""
+    import gc
+    import json
+
+    from checkpointing.format.rank_reports import merge_parts, part_from
+
+    blobs = synthetic_parts(world, tensors)
+
+    def once() -> None:
+        merge_parts(1, [part_from(json.loads(b)) for b in blobs], ("t",) * world)
+
+    rows = []
+    for n in heaps:
+        heap = [[i] for i in range(n)]
+        gc.collect()
+        base = len(gc.get_objects())
+        times = {}
+        for label, enabled in (("on", True), ("off", False)):
+            (gc.enable if enabled else gc.disable)()
+            runs = []
+            for _ in range(reps):
+                t0 = now()
+                once()
+                runs.append(now() - t0)
+            times[label] = statistics.median(runs)
+        gc.enable()
+        rows.append({"objects": base, "gc_on_s": times["on"], "gc_off_s": times["off"]})
+        print(f"merge  {world} reports x {tensors} DTensors, {base:,} objects in the process: collector on {times['on'] * 1e3:.1f} ms, "
+              f"off {times['off'] * 1e3:.1f} ms", flush=True)
+        del heap
+    return rows
 
 
 # ----------------------------------------------------------------------------- stall and time to commit
@@ -390,7 +446,7 @@ def bench_mesh2d(root: str, steps: int, every: int, sizes: dict = MESH2D) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["commit", "flatten", "sharded", "mesh2d", "all"])
+    ap.add_argument("what", choices=["commit", "flatten", "merge", "sharded", "mesh2d", "all"])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "out", "dist"))
     ap.add_argument("--worlds", default="1,2,4,8")
     ap.add_argument("--saves", type=int, default=6)
@@ -406,6 +462,8 @@ def main() -> None:
         out["commit"] = bench_commit(a.root, [int(w) for w in a.worlds.split(",")], a.saves, a.tensors)
     if a.what in ("flatten", "all"):
         out["flatten"] = bench_flatten(a.tensors * 4, reps=20)
+    if a.what in ("merge", "all"):
+        out["merge"] = bench_merge(8, a.tensors * 8, [0, 300_000, 1_000_000, 3_000_000])
     if a.what in ("sharded", "all"):
         out["sharded"] = bench_sharded(a.root, a.mb << 20, steps=12, every=3, compute=384)
     if a.what in ("mesh2d", "all"):
@@ -428,6 +486,9 @@ def markdown(out: dict) -> str:
         f = out["flatten"]
         lines += ["", f"save()'s walk over {f['leaves']} DTensors (flatten_state, one rank): {f['flatten_s'] * 1e3:.1f} ms, "
                   f"{f['flatten_s'] / f['leaves'] * 1e6:.0f} us per DTensor"]
+    if "merge" in out:
+        lines += ["", "| objects in the process | rank 0's merge, collector on | off |", "|---:|---:|---:|"]
+        lines += [f"| {r['objects']:,} | {r['gc_on_s'] * 1e3:.1f} ms | {r['gc_off_s'] * 1e3:.1f} ms |" for r in out["merge"]]
     if "sharded" in out:
         s = out["sharded"]
         lines += ["", f"2 ranks, {s['local_bytes'] / 1e6:.0f} MB of state per rank (sharded params + momentum), baseline loop {s['baseline_loop_s']:.2f} s", "",
