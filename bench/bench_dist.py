@@ -3,6 +3,7 @@
     python bench/bench_dist.py commit        # commit time and CPU per save at 1, 2, 4, 8 ranks, small sharded state
     python bench/bench_dist.py flatten       # save()'s walk over 8 x --tensors DTensors (one rank): per DTensor
     python bench/bench_dist.py merge         # rank 0's merge of 8 reports of 8 x --tensors DTensors, GC on/off, by heap size
+    python bench/bench_dist.py reports --worlds 8,64,256 --tensors 256   # rank 0's commit work (parse, merge) by job size
     python bench/bench_dist.py sharded       # 2 ranks, a sharded state: per-rank stall and time to commit
     python bench/bench_dist.py mesh2d        # 4 ranks, FSDP2 over tensor parallel on a 2x2 (dp, tp) mesh: the same
     python bench/bench_dist.py all --md      # all of them, as markdown for docs/benchmarks.md
@@ -145,13 +146,14 @@ def synthetic_parts(world: int, tensors: int) -> list:
     from checkpointing.format.rank_reports import PartLeaf, RankPart, encode_part, leaf_digest
 
     parts = []
+    mesh = tuple(range(world))  # one tuple per layout, as state/sharding's layout cache gives every leaf of it
     for r in range(world):
         pack = f"step-0000000001/r{r:05d}.0123456789ab.pack"
         leaves = []
         for t in range(tensors):
             digest = chunk_digest(f"{r}/{t}".encode())
             leaves.append(PartLeaf(f"params/{t}", "float32", (8, 256), (8 * world, 256), (8 * r, 0),
-                                   leaf_digest("float32", (8, 256), [digest]), 0, ((pack, t * 8192, 8192, digest),), tuple(range(world))))
+                                   leaf_digest("float32", (8, 256), [digest]), 0, ((pack, t * 8192, 8192, digest),), mesh))
         tree = {"dict": [[f"params/{t}", {"tensor": t}] for t in range(tensors)]}
         parts.append(encode_part(RankPart(r, pack, tensors * 8192, tree, tuple(leaves))))
     return parts
@@ -191,6 +193,71 @@ def bench_merge(world: int, tensors: int, heaps: list[int], reps: int = 5) -> li
               f"off {times['off'] * 1e3:.1f} ms", flush=True)
         del heap
     return rows
+
+
+def bench_reports(worlds: list[int], tensors: int, reps: int = 3) -> list[dict]:
+    """How rank 0's commit work grows with the job: `tensors` DTensors, each sharded on dim 0 over
+    every rank, at each world size. Per world: one rank's report (its bytes, the CPU to encode it on
+    that rank), then rank 0's CPU to parse all of them and to merge (merge, encode, decode the
+    manifest), with the cyclic collector off (as dist/gcpause runs it). Medians of `reps`."""
+    import gc
+    import json
+
+    from checkpointing.format.rank_reports import encode_part, merge_parts, part_from
+
+    rows = []
+    for world in worlds:
+        blobs = synthetic_parts(world, tensors)
+        gc.collect()
+        gc.disable()
+        try:
+            parts = [part_from(json.loads(b)) for b in blobs]
+            enc, parse, merge = [], [], []
+            for _ in range(reps):
+                t0 = time.thread_time()
+                encode_part(parts[-1])
+                t1 = time.thread_time()
+                parsed = [part_from(json.loads(b)) for b in blobs]
+                t2 = time.thread_time()
+                _, data, _ = merge_parts(1, parsed, ("t",) * world)
+                t3 = time.thread_time()
+                enc.append(t1 - t0)
+                parse.append(t2 - t1)
+                merge.append(t3 - t2)
+                del parsed
+        finally:
+            gc.enable()
+        row = {"world": world, "tensors": tensors, "shards": world * tensors, "report_bytes": len(blobs[-1]), "reports_bytes": sum(map(len, blobs)),
+               "manifest_bytes": len(data), "encode_s": statistics.median(enc), "parse_s": statistics.median(parse), "merge_s": statistics.median(merge)}
+        row.update(_restore_decode(data, reps))
+        rows.append(row)
+        print(f"reports {world:4d} ranks x {tensors} DTensors: a report {row['report_bytes'] / 1e3:.0f} kB (encode {row['encode_s'] * 1e3:.1f} ms), "
+              f"rank 0 parses {row['reports_bytes'] / 1e6:.1f} MB in {row['parse_s'] * 1e3:.0f} ms, merges in {row['merge_s'] * 1e3:.0f} ms "
+              f"(manifest {row['manifest_bytes'] / 1e6:.1f} MB): {(row['parse_s'] + row['merge_s']) / row['shards'] * 1e6:.1f} us per shard; "
+              f"a restore decodes it in {row['decode_s'] * 1e3:.0f} ms (collector on throughout: {row['decode_gc_on_s'] * 1e3:.0f} ms)", flush=True)
+        del blobs, parts
+    return rows
+
+
+def _restore_decode(data: bytes, reps: int) -> dict:
+    """decode_manifest as a restore calls it (with the collector paused inside, where the code does
+    that), and the decoder's body with the collector on, in a process holding a model (~300 k objects)."""
+    import gc
+
+    from checkpointing.format import decode
+
+    model = torch.nn.Transformer(num_encoder_layers=12, num_decoder_layers=12)  # noqa: F841 - held: a training process's heap
+    inner = getattr(decode, "_decode_manifest", decode.decode_manifest)
+    out = {}
+    for name, fn in (("decode_s", decode.decode_manifest), ("decode_gc_on_s", inner)):
+        gc.collect()
+        runs = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            fn(data, "bench")
+            runs.append(time.thread_time() - t0)
+        out[name] = statistics.median(runs)
+    return out
 
 
 # ----------------------------------------------------------------------------- stall and time to commit
@@ -446,7 +513,7 @@ def bench_mesh2d(root: str, steps: int, every: int, sizes: dict = MESH2D) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["commit", "flatten", "merge", "sharded", "mesh2d", "all"])
+    ap.add_argument("what", choices=["commit", "flatten", "merge", "reports", "sharded", "mesh2d", "all"])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "out", "dist"))
     ap.add_argument("--worlds", default="1,2,4,8")
     ap.add_argument("--saves", type=int, default=6)
@@ -464,6 +531,8 @@ def main() -> None:
         out["flatten"] = bench_flatten(a.tensors * 4, reps=20)
     if a.what in ("merge", "all"):
         out["merge"] = bench_merge(8, a.tensors * 8, [0, 300_000, 1_000_000, 3_000_000])
+    if a.what == "reports":  # not in "all": it needs no ranks, only CPU time
+        out["reports"] = bench_reports([int(w) for w in a.worlds.split(",")], a.tensors)
     if a.what in ("sharded", "all"):
         out["sharded"] = bench_sharded(a.root, a.mb << 20, steps=12, every=3, compute=384)
     if a.what in ("mesh2d", "all"):

@@ -119,3 +119,56 @@ def test_leaf_digest_covers_dtype_shape_and_bytes():
     assert leaf_digest("float32", (2,), [D]) != leaf_digest("int32", (2,), [D])
     assert leaf_digest("float32", (2,), [D]) != leaf_digest("float32", (1, 2), [D])
     assert leaf_digest("float32", (2,), [D]) != leaf_digest("float32", (2,), [E])
+
+
+def _sharded_part(rank, world, n_leaves, mesh_of=lambda t, world: tuple(range(world))):
+    """`n_leaves` DTensors of 8 rows per rank, sharded on dim 0 over the mesh mesh_of(t, world)."""
+    leaves = []
+    for t in range(n_leaves):
+        mesh = mesh_of(t, world)
+        i = mesh.index(rank)
+        leaves.append(PartLeaf(f"w{t}", "float32", (8, 4), (8 * len(mesh), 4), (8 * i, 0), f"d{rank}.{t}", UNIQUE,
+                               ((f"step-0000000001/r{rank:05d}.aaaaaaaaaaaa.pack", 128 * t, 128, D),), mesh))
+    return _part(rank, leaves)
+
+
+def test_a_ranks_report_does_not_grow_with_the_job():
+    """Every DTensor leaf lists its mesh's ranks: spelled per leaf, each rank's report grew with
+    the number of ranks and rank 0 parsed N^2 of them. The report names each mesh and file once."""
+    small = encode_part(_sharded_part(3, 8, 200))
+    large = encode_part(_sharded_part(3, 4096, 200))
+    one_mesh = len(",".join(map(str, range(4096))))
+    assert len(large) - len(small) < one_mesh + 1024
+    assert decode_part(large) == _sharded_part(3, 4096, 200)
+
+
+def test_report_round_trip_with_several_meshes_and_files():
+    """Leaves on different meshes (pipeline stages: one key on two meshes), equal meshes given as
+    distinct tuples, chunks in this step's pack and in a borrowed file, a leaf a peer wrote."""
+    part = _sharded_part(1, 4, 6, lambda t, world: tuple(range(world)) if t % 2 else (0, 1, 2, 3))  # equal meshes, distinct tuples
+    other = "step-0000000000/r00001.bbbbbbbbbbbb.pack"
+    leaves = list(part.leaves)
+    leaves[2] = dataclasses.replace(leaves[2], chunks=((other, 0, 64, D), (leaves[2].chunks[0][0], 256, 64, E)))
+    leaves[3] = dataclasses.replace(leaves[3], chunks=None, region=OTHER)
+    leaves.append(PartLeaf("stage", "float32", (4,), (8,), (4,), "x", UNIQUE, ((other, 64, 16, E),), (1, 5)))
+    part = dataclasses.replace(part, leaves=tuple(leaves))
+    back = decode_part(encode_part(part))
+    assert back == part
+    assert back.leaves[0].mesh is back.leaves[1].mesh  # one tuple per mesh: the merge hashes each once
+
+
+def test_merge_tells_meshes_apart_by_their_ranks_not_their_objects():
+    """Two pipeline stages save a DTensor under one key on meshes {0, 1} and {2, 3}: two tensors.
+    Ranks of one stage that hold equal meshes in different tuples: one tensor."""
+    def part(rank):
+        mesh = tuple([0, 1] if rank < 2 else [2, 3])  # a fresh tuple per rank
+        i = mesh.index(rank)
+        leaf = PartLeaf("w", "float32", (2, 3), (4, 3), (2 * i, 0), f"d{rank}", UNIQUE,
+                        ((f"step-0000000001/r{rank:05d}.aaaaaaaaaaaa.pack", 0, 24, D),), mesh)
+        return _part(rank, [leaf])
+
+    parts = [decode_part(encode_part(part(r))) for r in range(4)]
+    manifest, _, _ = merge_parts(1, parts, ("t",) * 4)
+    assert [t.key for t in manifest.tensors] == ["w", "w"]
+    assert [[s.offsets for s in t.shards] for t in manifest.tensors] == [[(0, 0), (2, 0)]] * 2
+    assert manifest.rank_trees == (0, 0, 1, 1)

@@ -782,3 +782,51 @@ def test_step_dir_out_of_range(step):
 @pytest.mark.parametrize("name", ["step-1", "step-00000000001", "step-000000000a", "xstep-0000000001", "step-0000000001.tmp", "step-0000000001\n"])
 def test_parse_step_dir_rejects(name):
     assert naming.parse_step_dir(name) is None
+
+
+# ---------------------------------------------------------------- the decoder's fast paths agree with its checks
+
+
+def test_a_shards_fast_path_accepts_exactly_what_its_checks_accept():
+    """decode._shard_fast (no messages built) against _decode_shard (every check, named): for each
+    shard of the golden manifest with each field replaced, deleted or extended by each bad value,
+    the fast path returns what the checks return, or None (the checks then say what is wrong)."""
+    from checkpointing.format.decode import _decode_shard, _shard_fast
+
+    checked = 0
+    for tensor in GOLDEN_OBJ["tensors"]:
+        shape = tuple(tensor["shape"])
+        size = itemsize(BY_NAME[tensor["dtype"]])
+        for shard in tensor["shards"]:
+            for path, _ in _paths(shard):
+                for op in ("replace", "delete", "add"):
+                    for value in BAD_VALUES:
+                        raw = _mutate(shard, path, op, value)
+                        try:
+                            want = _decode_shard(raw, shape, size, WHERE)
+                        except ManifestError:
+                            want = None
+                        got = _shard_fast(raw, shape, size)
+                        assert got is None or got == want, (path, op, value)
+                        checked += want is not None
+    assert checked  # some mutations leave a valid shard: both paths accept them
+
+
+@given(st.integers(1, 3), st.lists(st.tuples(st.integers(0, 12), st.integers(0, 5), st.sampled_from([(0, 4), (0, 2), (2, 2), (1, 0)])),
+                                   min_size=1, max_size=12))
+def test_tiling_of_shards_on_the_first_dimension_is_exact(ndim, spans):
+    """Boxes with equal offsets in every dimension but the first are checked as intervals; the
+    answer is the brute-force pairwise one whether they are or not."""
+    from checkpointing.format.decode import check_tiling
+
+    shape = (20,) + (4,) * (ndim - 1)
+    boxes = [((o,) + (ro,) * (ndim - 1), (n,) + (rn,) * (ndim - 1)) for o, n, (ro, rn) in spans if o + n <= 20]
+    assume(boxes)
+    nonempty = [b for b in boxes if math.prod(b[1])]
+    overlap = any(all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb))
+                  for i, (oa, sa) in enumerate(nonempty) for ob, sb in nonempty[i + 1 :])
+    if overlap:
+        with pytest.raises(ManifestError, match="overlap"):
+            check_tiling(shape, boxes, "t")
+    else:
+        check_tiling(shape, boxes, "t")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointing.dist.remote_commit import LocalTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
-from checkpointing.dist.gcpause import gc_paused
+from checkpointing.format.gcpause import gc_paused
 from checkpointing.dist.keys import new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
 from checkpointing.dist.types import Coordinator, SaveRef, TierCommitter, Written

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from checkpointing.dist import keys
-from checkpointing.dist.gcpause import gc_paused
+from checkpointing.format.gcpause import gc_paused
 from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys

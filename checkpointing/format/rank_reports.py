@@ -24,9 +24,10 @@ from typing import Any
 import xxhash
 
 from checkpointing.errors import ManifestError, MergeError
-from checkpointing.format.decode import check_tiling, decode_manifest
+from checkpointing.format.decode import decode_manifest
 from checkpointing.format.manifest import (ChunkRef, FileEntry, Manifest, Metrics, ShardEntry, TensorEntry, canonical_json, encode_files,
                                            encode_manifest)
+from checkpointing.format.tiling import check_tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +58,33 @@ def leaf_digest(dtype: str, shape: tuple[int, ...], chunk_digests: list[str]) ->
 
 
 def encode_part(part: RankPart) -> bytes:
+    """The report's JSON. Each mesh and each file is spelled once, in the tables `meshes` and
+    `files`, and leaves and chunks name them by index: a DTensor's mesh lists every rank of it, so
+    spelled per leaf the reports would grow with the square of the job (N ranks x N-rank meshes)."""
+    mesh_index: dict[int, int] = {}  # id(mesh tuple) -> index: leaves of one layout share their tuple, hashed once here
+    meshes: dict[tuple[int, ...], int] = {}
+    files: dict[str, int] = {}
+
+    def mesh_of(mesh: tuple[int, ...]) -> int:
+        i = mesh_index.get(id(mesh))
+        if i is None:
+            i = mesh_index[id(mesh)] = meshes.setdefault(mesh, len(meshes))
+        return i
+
+    leaves = [
+        [l.key, l.dtype, list(l.shape), None if l.global_shape is None else [list(l.global_shape), list(l.offsets or ())], l.digest, l.region,
+         None if l.chunks is None else [[files.setdefault(f, len(files)), o, n, d] for f, o, n, d in l.chunks], mesh_of(l.mesh)]
+        for l in part.leaves
+    ]
     return canonical_json(
         {
             "rank": part.rank,
             "file": part.file,
             "nbytes": part.nbytes,
             "tree": part.tree,
-            "leaves": [
-                [l.key, l.dtype, list(l.shape), None if l.global_shape is None else [list(l.global_shape), list(l.offsets or ())], l.digest, l.region,
-                 None if l.chunks is None else [list(c) for c in l.chunks], list(l.mesh)]
-                for l in part.leaves
-            ],
+            "meshes": [list(m) for m in meshes],
+            "files": list(files),
+            "leaves": leaves,
             "borrowed": encode_files(part.borrowed),
         }
     )
@@ -83,16 +100,19 @@ def decode_part(data: bytes) -> RankPart:
 
 
 def part_from(obj: Any) -> RankPart:
-    """decode_part of the report's JSON, parsed already (the coordinator reads its `ok` first)."""
+    """decode_part of the report's JSON, parsed already (the coordinator reads its `ok` first).
+    Leaves on one mesh share one tuple and chunks in one file one string (merge_parts relies on the former)."""
     try:
+        meshes = [tuple(int(r) for r in m) for m in obj["meshes"]]
+        files = [str(f) for f in obj["files"]]
         leaves = tuple(
             PartLeaf(k, dt, tuple(shape), None if g is None else tuple(g[0]), None if g is None else tuple(g[1]), dig, region,
-                     None if chunks is None else tuple((str(f), int(o), int(n), str(d)) for f, o, n, d in chunks), tuple(int(r) for r in mesh))
+                     None if chunks is None else tuple((files[f], int(o), int(n), str(d)) for f, o, n, d in chunks), meshes[mesh])
             for k, dt, shape, g, dig, region, chunks, mesh in obj["leaves"]
         )
         borrowed = tuple(FileEntry(str(p), int(r), str(t), int(n), int(pb)) for p, r, t, n, pb in obj.get("borrowed", []))
         return RankPart(int(obj["rank"]), str(obj["file"]), int(obj["nbytes"]), obj["tree"], leaves, borrowed)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise ManifestError(f"a rank's save report is malformed ({type(exc).__name__}: {exc})") from None
 
 
@@ -122,20 +142,21 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
     index: dict[tuple, int] = {}
     leaf_map: list[list[int]] = []
     plain_digests: dict[str, dict[str, list[int]]] = {}  # key -> digest -> ranks
+    ident = _Idents()
     for part in parts:
         mapping = []
         for leaf in part.leaves:
-            ident = _ident(leaf)
+            which = ident(leaf)
             if leaf.global_shape is not None:
                 shape = leaf.global_shape
             else:
                 shape = leaf.shape
                 plain_digests.setdefault(leaf.key, {}).setdefault(leaf.digest, []).append(part.rank)
-            if ident not in index:
-                index[ident] = len(entries)
+            if which not in index:
+                index[which] = len(entries)
                 entries.append(_Entry(leaf.key, leaf.dtype, shape))
-            entry = entries[index[ident]]
-            mapping.append(index[ident])
+            entry = entries[index[which]]
+            mapping.append(index[which])
             if (entry.dtype, entry.shape) != (leaf.dtype, shape):
                 problems.append(
                     f"{leaf.key}: rank {part.rank} saved {leaf.dtype}{list(shape)}, another rank {entry.dtype}{list(entry.shape)} "
@@ -144,7 +165,7 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
                 continue
             _add_shard(entry, leaf, part, problems)
         leaf_map.append(mapping)
-    _check_local_copies(parts, entries, index, tiers, problems)
+    _check_local_copies(parts, entries, index, ident, tiers, problems)
     tensors, primary_end = _finish_entries(entries, parts, tiers, problems)
     if problems:
         raise MergeError(problems)
@@ -210,21 +231,34 @@ def _add_shard(entry: _Entry, leaf: PartLeaf, part: RankPart, problems: list[str
         shard.copies.append((preference, part.rank, refs))
 
 
-def _ident(leaf: PartLeaf) -> tuple:
-    """Which tensor a leaf is part of: a DTensor's key on its mesh; a plain tensor's key and content."""
-    if leaf.global_shape is not None:
-        return ("dtensor", leaf.key, leaf.mesh)
-    return ("plain", leaf.key, leaf.digest)
+class _Idents:
+    """Which tensor a leaf is part of: a DTensor's key on its mesh; a plain tensor's key and content.
+
+    A mesh is named by a small number: its tuple lists every rank of it and Python does not cache
+    a tuple's hash, so keying on the tuple itself would cost O(ranks) per leaf, O(ranks^2) per
+    merge. part_from gives the leaves on one mesh one tuple object, so each is hashed once."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[tuple[int, ...], int]] = {}  # id(mesh) -> (the tuple, kept alive, its number)
+        self._numbers: dict[tuple[int, ...], int] = {}
+
+    def __call__(self, leaf: PartLeaf) -> tuple:
+        if leaf.global_shape is None:
+            return ("plain", leaf.key, leaf.digest)
+        hit = self._by_id.get(id(leaf.mesh))
+        if hit is None:
+            hit = self._by_id[id(leaf.mesh)] = (leaf.mesh, self._numbers.setdefault(leaf.mesh, len(self._numbers)))
+        return ("dtensor", leaf.key, hit[1])
 
 
-def _check_local_copies(parts: list[RankPart], entries: list[_Entry], index: dict[tuple, int], tiers: tuple[str, ...], problems: list[str]) -> None:
+def _check_local_copies(parts: list[RankPart], entries: list[_Entry], index: dict[tuple, int], ident: _Idents, tiers: tuple[str, ...],
+                        problems: list[str]) -> None:
     for part in parts:
         for leaf in part.leaves:
             if leaf.chunks is not None:
                 continue
-            ident = _ident(leaf)
             offsets = leaf.offsets if leaf.offsets is not None else (0,) * len(leaf.shape)
-            shard = entries[index[ident]].shards.get(offsets)
+            shard = entries[index[ident(leaf)]].shards.get(offsets)
             if shard is None or not any(tiers[r] == tiers[part.rank] for _, r, _ in shard.copies):
                 problems.append(f"{leaf.key}: rank {part.rank} skipped it for a peer on its local tier, and no peer there wrote it")
 

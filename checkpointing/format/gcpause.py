@@ -1,12 +1,15 @@
-"""Cyclic garbage collection paused while a merge builds a step's manifest (layer: dist).
+"""Cyclic garbage collection paused while a manifest is built or read (layer: format).
 
 Committing a step, rank 0 parses every rank's report, merges them, encodes the manifest and decodes
-it again (the reader's checks); a tier's leader decodes it too. That is hundreds of thousands of
-lists, dicts and small objects per save at a few ranks, all alive until the merge ends. Such a burst
+it again (the reader's checks); a tier's leader decodes it too, and every restore decodes the
+manifest it reads. That is hundreds of thousands of lists, dicts and small objects per manifest of
+a few ranks (millions at hundreds of ranks), all alive until the decode or merge ends. Such a burst
 keeps triggering CPython's cyclic collector, and the survivors push it into full collections that
 walk the whole process's heap, every tensor and module of the training process included: measured,
-half of rank 0's CPU per save went to them (docs/benchmarks.md, "What every rank pays per save for
-the commit"). None of it forms cycles; reference counting frees it all the same.
+half of rank 0's CPU per save went to them, and half of decoding a 10 MB manifest
+(docs/benchmarks.md, "What every rank pays per save for the commit"). None of it forms cycles;
+reference counting frees it all the same. `decode.decode_manifest` runs inside this pause; the
+coordinators (dist/) put it around rank 0's whole merge.
 """
 
 from __future__ import annotations
