@@ -230,13 +230,34 @@ def bench_reports(worlds: list[int], tensors: int, reps: int = 3) -> list[dict]:
         row = {"world": world, "tensors": tensors, "shards": world * tensors, "report_bytes": len(blobs[-1]), "reports_bytes": sum(map(len, blobs)),
                "manifest_bytes": len(data), "encode_s": statistics.median(enc), "parse_s": statistics.median(parse), "merge_s": statistics.median(merge)}
         row.update(_restore_decode(data, reps))
+        row.update(_accounts(data))
         rows.append(row)
         print(f"reports {world:4d} ranks x {tensors} DTensors: a report {row['report_bytes'] / 1e3:.0f} kB (encode {row['encode_s'] * 1e3:.1f} ms), "
               f"rank 0 parses {row['reports_bytes'] / 1e6:.1f} MB in {row['parse_s'] * 1e3:.0f} ms, merges in {row['merge_s'] * 1e3:.0f} ms "
               f"(manifest {row['manifest_bytes'] / 1e6:.1f} MB): {(row['parse_s'] + row['merge_s']) / row['shards'] * 1e6:.1f} us per shard; "
-              f"a restore decodes it in {row['decode_s'] * 1e3:.0f} ms (collector on throughout: {row['decode_gc_on_s'] * 1e3:.0f} ms)", flush=True)
+              f"a restore decodes it in {row['decode_s'] * 1e3:.0f} ms (collector on throughout: {row['decode_gc_on_s'] * 1e3:.0f} ms); "
+              f"a rank's account of the step: the whole file table {row['account_whole_bytes'] / 1e3:.1f} kB (decoded in "
+              f"{row['account_whole_s'] * 1e3:.2f} ms), its own files {row['account_own_bytes']} B ({row['account_own_s'] * 1e3:.2f} ms)", flush=True)
         del blobs, parts
     return rows
+
+
+def _accounts(data: bytes) -> dict:
+    """What a rank that commits on no tier reads from the store per save: the step with the whole
+    file table (before), or with its own files (CommittedStep.by_rank, where the code has it)."""
+    from checkpointing.format.decode import decode_committed_step, decode_manifest
+    from checkpointing.format.manifest import CommittedStep, encode_committed_step, manifest_digest
+
+    whole = CommittedStep.of(decode_manifest(data, "bench"), manifest_digest(data))
+    own = whole.by_rank()[-1] if hasattr(whole, "by_rank") else whole
+    out = {}
+    for name, account in (("whole", whole), ("own", own)):
+        blob = encode_committed_step(account)
+        t0 = time.thread_time()
+        for _ in range(10):
+            decode_committed_step(blob, "bench")
+        out[f"account_{name}_bytes"], out[f"account_{name}_s"] = len(blob), (time.thread_time() - t0) / 10
+    return out
 
 
 def _restore_decode(data: bytes, reps: int) -> dict:

@@ -407,9 +407,17 @@ def manifest_decodes(rank: int, world: int, directory: str, saves: int) -> dict[
     import checkpointing.format.decode as decode
     from checkpointing import CheckpointManager
 
+    import checkpointing.dist.store_coordinator as store_coordinator
+
     model, opt = build(world)
     train(model, opt, 1, rank=rank)
     real, decoded = decode.decode_manifest, [0]
+    accounts: list[Any] = []
+    real_account = store_coordinator.decode_committed_step
+
+    def account(*args: Any, **kwargs: Any) -> Any:
+        accounts.append(real_account(*args, **kwargs))
+        return accounts[-1]
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         decoded[0] += 1
@@ -421,12 +429,14 @@ def manifest_decodes(rank: int, world: int, directory: str, saves: int) -> dict[
         for module in [m for name, m in list(sys.modules.items()) if name.startswith("checkpointing")]:
             if getattr(module, "decode_manifest", None) is real:
                 module.decode_manifest = counting
+        store_coordinator.decode_committed_step = account
         try:
             for step in range(1, saves + 1):
                 if step % 2:
                     train(model, opt, 1, rank=rank, start=step)
                 written.append(mgr.save(step, {"model": model, "optim": opt}).wait().bytes_written)  # even steps: nothing changed
         finally:
+            store_coordinator.decode_committed_step = real_account
             for module in [m for name, m in list(sys.modules.items()) if name.startswith("checkpointing")]:
                 if getattr(module, "decode_manifest", None) is counting:
                     module.decode_manifest = real
@@ -434,4 +444,5 @@ def manifest_decodes(rank: int, world: int, directory: str, saves: int) -> dict[
     with CheckpointManager(directory, timeout_s=60) as mgr:
         restored = mgr.restore({"model": fresh, "optim": fresh_opt})
     assert_same(full_state(model, opt), full_state(fresh, fresh_opt))
-    return {"decoded": decoded[0], "bytes_written": written, "restored": restored}
+    return {"decoded": decoded[0], "bytes_written": written, "restored": restored,
+            "accounts": [(a.step, a.world_size, sorted({f.rank for f in a.files}), len(a.files)) for a in accounts]}

@@ -115,12 +115,15 @@ def test_node_local_tiers_hold_what_their_ranks_need(tmp_path, capsys):
 
 
 def test_only_the_tier_leader_decodes_the_manifest_of_each_save(tmp_path):
-    """Ranks that commit on no tier keep rank 0's CommittedStep (digest and file table), never the
+    """Ranks that commit on no tier keep their account of the step from rank 0 (digest, their files), never the
     job's whole manifest: it would cost every rank O(all ranks' tensors) of CPU per save. Their
     incremental saves still build on what was committed."""
     saves = 4
     r0, r1 = run_ranks(_dist.manifest_decodes, 2, str(tmp_path / "ck"), saves, tmp=tmp_path)
     assert r1["decoded"] == 0, r1
+    # rank 1's account of each step lists its own file only: the whole table to every rank is O(N^2) per save
+    assert [a[:3] for a in r1["accounts"]] == [(step, 2, [1]) for step in range(1, saves + 1)], r1["accounts"]
+    assert r0["accounts"] == []  # rank 0 leads the tier: it has the manifest
     assert r0["decoded"] >= saves, r0  # rank 0 checks each manifest it merged decodes (and the spy sees it)
     for r in (r0, r1):  # odd steps trained (every chunk new), even steps did not (nothing new but page padding)
         odd, even = r["bytes_written"][0::2], r["bytes_written"][1::2]

@@ -830,3 +830,17 @@ def test_tiling_of_shards_on_the_first_dimension_is_exact(ndim, spans):
             check_tiling(shape, boxes, "t")
     else:
         check_tiling(shape, boxes, "t")
+
+
+@given(manifests())
+def test_each_ranks_account_of_a_step_holds_its_own_files(m):
+    """CommittedStep.by_rank: one account per rank, each with the files that rank wrote and the
+    step's digest; together they hold the file table; each round-trips."""
+    whole = CommittedStep.of(m, manifest_digest(encode_manifest(m)))
+    accounts = whole.by_rank()
+    assert len(accounts) == m.world_size
+    for rank, account in enumerate(accounts):
+        assert (account.step, account.digest, account.world_size) == (whole.step, whole.digest, whole.world_size)
+        assert all(f.rank == rank for f in account.files)
+        assert decode_committed_step(encode_committed_step(account), WHERE) == account
+    assert sorted(f.path for a in accounts for f in a.files) == sorted(f.path for f in whole.files)

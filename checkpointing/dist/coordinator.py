@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointing.dist.remote_commit import LocalTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
-from checkpointing.format.gcpause import gc_paused
 from checkpointing.dist.keys import new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
 from checkpointing.dist.types import Coordinator, SaveRef, TierCommitter, Written
 from checkpointing.errors import CheckpointConfigError, CheckpointError, MergeError
+from checkpointing.format.gcpause import gc_paused
 from checkpointing.format.manifest import CommittedStep
 from checkpointing.format.rank_reports import RankPart, merge_parts
 from checkpointing.storage import LocalStorage, Storage

@@ -11,6 +11,7 @@ of one job, or one job's restarts, never read each other's keys. Under it:
     save/<seq>/ws/<rank>        what replicated tensors the rank writes in save number seq
     save/<seq>/part/<rank>      its report (rank_reports.RankPart) or its error
     save/<seq>/manifest         rank 0's merged manifest
+    save/<seq>/committed/<rank> the step's digest and that rank's files of it (CommittedStep.by_rank)
     save/<seq>/ack/<rank>       a local tier's leader committed there, or its error
     save/<seq>/status           rank 0's verdict on the save
     up/<seq>/<rank>             the rank's upload number seq is up, or its error
@@ -94,8 +95,8 @@ def save_manifest(seq: int) -> str:
     return f"save/{seq}/manifest"
 
 
-def save_committed(seq: int) -> str:
-    return f"save/{seq}/committed"
+def save_committed(seq: int, rank: int) -> str:
+    return f"save/{seq}/committed/{rank}"
 
 
 def save_status(seq: int) -> str:
@@ -104,8 +105,8 @@ def save_status(seq: int) -> str:
 
 def save_all(seq: int, world_size: int) -> list[str]:
     """Every key of save number `seq` (to delete them once every rank is past it)."""
-    per_rank = [fn(seq, r) for fn in (save_written, save_part, save_ack) for r in range(world_size)]
-    return [save_manifest(seq), save_committed(seq), save_status(seq)] + per_rank
+    per_rank = [fn(seq, r) for fn in (save_written, save_part, save_ack, save_committed) for r in range(world_size)]
+    return [save_manifest(seq), save_status(seq)] + per_rank
 
 
 # ---------------------------------------------------------------- one upload (StoreTierCommitter)

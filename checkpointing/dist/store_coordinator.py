@@ -7,8 +7,9 @@ Per save (numbered `seq`, the same on every rank; the keys are built in keys.py)
     save/<seq>/ws/<rank>    what replicated tensors this rank writes (its local-tier peers skip those bytes)
     save/<seq>/part/<rank>  its report after writing and fsyncing (rank_reports.RankPart), or its error
     save/<seq>/manifest     rank 0's merged manifest, with rank 0's save() metrics (or nothing, if the step failed)
-    save/<seq>/committed    with it, its digest and file table (format: CommittedStep): all that a rank which
-                            commits on no tier keeps of the step, so it neither reads nor decodes the manifest
+    save/<seq>/committed/<rank>  with it, the step's digest and the files that rank wrote (format: CommittedStep.by_rank):
+                            all that a rank which commits on no tier keeps of the step, so it neither reads nor
+                            decodes the manifest (and no rank reads the whole file table: O(N), not O(N^2))
     save/<seq>/ack/<rank>   each local tier's leader wrote manifest + COMMIT there, or its error
     save/<seq>/status       rank 0's verdict: committed, or which ranks failed and why
 
@@ -24,13 +25,13 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from checkpointing.dist import keys
-from checkpointing.format.gcpause import gc_paused
 from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys
 from checkpointing.dist.types import SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
 from checkpointing.format.decode import decode_committed_step
+from checkpointing.format.gcpause import gc_paused
 from checkpointing.format.manifest import CommittedStep, Manifest, encode_committed_step, manifest_digest
 from checkpointing.format.rank_reports import RankPart, encode_part, merge_parts, part_from
 from checkpointing.storage import LocalStorage, Storage
@@ -58,7 +59,7 @@ class StoreCoordinator:
         self._restores = 0
         self.per_rank_keys: frozenset[str] = frozenset()
         self._per_rank_pending: list[str] = []
-        self._merged: tuple[int, Manifest] | None = None  # rank 0: the save (seq) it merged last, its manifest as decoded
+        self._merged: tuple[int, Manifest, bytes] | None = None  # rank 0: the save (seq) it merged last, its manifest decoded and encoded
         self._shared: set[int] = set()  # the seqs of the saves whose ws/<rank> this rank has set
         # which ranks share a local tier: every rank publishes the id found in its directory
         self.store.set(keys.init_tier(self.rank), ensure_tier_id(storage))
@@ -134,8 +135,8 @@ class StoreCoordinator:
         if not status["ok"]:
             raise RanksFailedError(save.step, {int(r): c for r, c in status["failures"].items()})
         self.per_rank_keys = frozenset(status["per_rank_keys"])
-        if committed is None:  # committed by its tier's leader: rank 0's account of it (not the manifest: see keys.save_committed)
-            committed = decode_committed_step(self.store.get(keys.save_committed(save.seq)), f"rank 0's account of step {save.step}")
+        if committed is None:  # committed by its tier's leader: this rank's account of it from rank 0 (not the manifest: see keys.save_committed)
+            committed = decode_committed_step(self.store.get(keys.save_committed(save.seq, self.rank)), f"rank 0's account of step {save.step}")
             if committed.step != save.step:
                 raise CheckpointError(f"step {save.step}: rank 0 reported committing step {committed.step} in its place (two jobs in one store?)")
         return committed
@@ -171,9 +172,10 @@ class StoreCoordinator:
             return False
         manifest, data, per_rank = merged
         self._per_rank_pending = sorted(per_rank)
-        self._merged = (save.seq, manifest)
+        self._merged = (save.seq, manifest, data)
         self.store.set(keys.save_manifest(save.seq), data)
-        self.store.set(keys.save_committed(save.seq), encode_committed_step(CommittedStep.of(manifest, manifest_digest(data))))
+        accounts = CommittedStep.of(manifest, manifest_digest(data)).by_rank()
+        self.store.multi_set([keys.save_committed(save.seq, r) for r in range(self.world_size)], [encode_committed_step(a) for a in accounts])
         return True
 
     def _collect_acks(self, save: SaveRef, deadline: float) -> None:
@@ -204,9 +206,10 @@ class StoreCoordinator:
             raise CoordinationTimeout(f"step {save.step}: rank 0 (the coordinator) published no manifest in time; it may have died", [0])
         if found == status_key:
             return None  # rank 0 gave its verdict without a manifest: the step failed
-        data = self.store.get(manifest_key)
+        mine = self._merged if self._merged is not None and self._merged[0] == save.seq else None  # rank 0 has it, decoded too
+        data = mine[2] if mine is not None else self.store.get(manifest_key)
+        decoded = mine[1] if mine is not None else None
         digest = ""
-        decoded = self._merged[1] if self._merged is not None and self._merged[0] == save.seq else None  # rank 0 has it
         try:
             with gc_paused():  # another rank's leader decodes the manifest here (gcpause.py)
                 digest = catalog.commit_bytes(self.storage, save.step, data, save.token, decoded)

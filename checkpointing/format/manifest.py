@@ -105,16 +105,25 @@ class CommittedStep:
     COMMIT names, and the manifest's world size and file table. The next incremental save, the
     upload and the peer copies need no more (only a reader needs the tensors), so a rank that does
     not write the manifest to a tier gets this small value instead of decoding the whole job's
-    manifest after every save."""
+    manifest after every save: its own account (by_rank), with only the files it wrote."""
 
     step: int
     digest: str  # "sha256:<hex>" of the manifest bytes
     world_size: int
-    files: tuple[FileEntry, ...]
+    files: tuple[FileEntry, ...]  # the manifest's file table; in a rank's own account (by_rank), the files that rank wrote
 
     @classmethod
     def of(cls, manifest: Manifest, digest: str) -> "CommittedStep":
         return cls(manifest.step, digest, manifest.world_size, manifest.files)
+
+    def by_rank(self) -> list["CommittedStep"]:
+        """Each rank's own account of the step: the file table cut to the files it wrote, which is
+        all a rank that commits on no tier reads of it (its next incremental base, its upload). One
+        whole table per rank would cross the store N times over: O(N^2) per save."""
+        files: list[list[FileEntry]] = [[] for _ in range(self.world_size)]
+        for f in self.files:
+            files[f.rank].append(f)
+        return [dataclasses.replace(self, files=tuple(mine)) for mine in files]
 
 
 @dataclasses.dataclass(frozen=True)
