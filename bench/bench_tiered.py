@@ -20,6 +20,8 @@ s3://bucket/prefix plus AWS_* credentials in the environment to run against a re
    remote in production) costs the same in both, so compare "ours" with that reference.
 3. Restore. A fresh manager restores the step from the local tier (page cache dropped) and from
    the remote tier only (an empty local directory).
+4. `--commit-check 64,1024`: only rank 0's check, before a remote COMMIT, that every rank's file of
+   the step is there whole, for that many ranks' files: one HEAD per file against a listing.
 """
 from __future__ import annotations
 
@@ -230,6 +232,36 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_commit_check(url: str, options: dict, counts: list[int], rounds: int) -> list[dict]:
+    """Before a step commits on the remote tier, rank 0 checks each rank's file of it is there whole
+    (catalog.size_mismatches): N small objects in one step directory, checked one HEAD each (as
+    before Storage.sizes) and as the code does it now (a listing per directory), alternating."""
+    from checkpointing.storage import FsspecStorage, sizes
+    from checkpointing.tier import catalog
+
+    rows = []
+    for n in counts:
+        remote = FsspecStorage(f"{url}/check-{n}", options)
+        files = [(f"step-0000000001/r{r:05d}.0123456789ab.pack", 64 + r) for r in range(n)]
+        for path, size in files:
+            remote.put(path, b"\0" * size)
+        times: dict[str, list[float]] = {"one HEAD per file": [], "listed (now)": []}
+        for _ in range(rounds):
+            for label in times:
+                t0 = time.perf_counter()
+                if label == "listed (now)":
+                    bad = list(catalog.size_mismatches(remote, files))
+                else:
+                    found = sizes.one_by_one(remote, [p for p, _ in files])
+                    bad = [p for p, size in files if found[p] != size]
+                times[label].append(time.perf_counter() - t0)
+                assert not bad, bad
+        row = {"files": n, **{k: statistics.median(v) for k, v in times.items()}}
+        rows.append(row)
+        log(f"commit check of {n} files: " + ", ".join(f"{k} {row[k]:.3f} s" for k in times))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.0, help="state size")
@@ -243,6 +275,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="local tier parent directory (default: a temporary one)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "bench_tiered.json"))
     ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--commit-check", default=None, metavar="N,N",
+                    help="only the remote commit's check that every rank's file is there, for N ranks' files (one HEAD each, or listed)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-tiered-", dir=args.dir)
     server = None
@@ -255,6 +289,10 @@ def main() -> None:
             server = EmbeddedS3()
             server.start()
             url, options, s3 = server.bucket("bench"), server.storage_options, "moto on 127.0.0.1 (child process)"
+        if args.commit_check:
+            result = {"commit_check": bench_commit_check(url, options, [int(n) for n in args.commit_check.split(",")], args.rounds)}
+            print(json.dumps(result, indent=1))
+            return
         log(f"state {args.gb} GB, work dir {work}, remote {url}")
         state = make_state(args.gb)
         result = {

@@ -456,3 +456,37 @@ def test_bandwidth_limit_paces_uploads(tmp_path):
     assert elapsed >= 0.2, elapsed  # 2 MiB at 8 MiB/s: the first quarter MiB goes at once, the rest waits
     assert s.get("f") == src.read_bytes()
     s.delete("")
+
+
+def test_sizes_list_a_directory_rather_than_ask_per_object(s3_bucket):
+    """Rank 0's remote commit checks every rank's file of a step: one HEAD each was a round trip
+    per rank. A directory with several wanted objects is listed instead; only what the listing does
+    not show is asked for by itself."""
+    s = s3_storage(s3_bucket)
+    files = {f"step-0000000002/r{r:05d}.pack": 1000 + r for r in range(40)}
+    for path, n in files.items():
+        s.put(path, b"\0" * n)
+    s.put("step-0000000001/r00000.pack", b"old")
+    faults = inject(s)
+    got = s.sizes([*files, "step-0000000002/r99999.pack", "step-0000000001/r00000.pack"])
+    assert got == {**files, "step-0000000002/r99999.pack": None, "step-0000000001/r00000.pack": 3}
+    assert faults.count("list_objects_v2") == 1
+    assert faults.count("head_object") == 2  # the one the listing did not show, the lone file of step 1
+
+
+def test_sizes_ask_for_what_a_lagging_listing_leaves_out(tmp_path):
+    """A store whose listing lags behind its writes: objects it does not show are asked for one by one."""
+    from checkpointing.storage import sizes
+
+    storage = LocalStorage(tmp_path)
+    for r in range(6):
+        storage.put(f"d/f{r}", b"x" * r)
+    listings = []
+
+    def lagging(directory: str) -> dict[str, int]:
+        listings.append(directory)
+        return {f"f{r}": r for r in range(3)}  # the last three not yet listed
+
+    got = sizes.listed_or_one_by_one(storage, [f"d/f{r}" for r in range(6)] + ["d/gone"], lagging)
+    assert got == {**{f"d/f{r}": r for r in range(6)}, "d/gone": None}
+    assert listings == ["d"]

@@ -259,6 +259,19 @@ class TestContract:
         storage.delete("d/a")
         assert not storage.exists_with_size("d/a", len(PAYLOAD))
 
+    def test_sizes_of_many_objects(self, storage):
+        """Storage.sizes: each object's size, None where missing, in directories listed whole
+        (object stores) or not, a directory named like an object, nested and root objects."""
+        want = {f"step-0000000003/r{r:05d}.pack": r * 7 for r in range(12)}
+        want.update({f"step-0000000001/r{r:05d}.pack": 100 + r for r in range(5)})
+        want.update({"top": 3, "step-0000000003/sub/deep": 9})
+        for path, n in want.items():
+            storage.put(path, b"x" * n)
+        asked = [*want, "step-0000000003/r99999.pack", "step-0000000003/sub", "missing/dir/x", "nope", "top/below"]
+        assert storage.sizes(asked) == {**want, "step-0000000003/r99999.pack": None, "step-0000000003/sub": None,
+                                        "missing/dir/x": None, "nope": None, "top/below": None}
+        assert storage.sizes([]) == {}
+
     def test_read_into_ranges(self, storage):
         storage.put("d/f", PAYLOAD)
         for offset, n in [(0, len(PAYLOAD)), (0, 1), (100, 4096), (len(PAYLOAD) - 7, 7), (5000, 0)]:

@@ -60,6 +60,11 @@ class Storage(Protocol):
 
     def size(self, path: str) -> int: ...
 
+    def sizes(self, paths: list[str]) -> dict[str, int | None]:
+        """The size of each object of `paths`, None where it is missing: `size` for each, or one
+        listing per directory where that is cheaper (object stores: storage/sizes.py)."""
+        ...
+
     def mtime(self, path: str) -> float:
         """Seconds since the epoch of the object's last change, as the store records it (object stores:
         to the second); 0.0 where the backend keeps no time. Missing: FileNotFoundError. Used to leave

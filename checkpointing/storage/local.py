@@ -23,7 +23,7 @@ from typing import Iterator
 from checkpointing.errors import CheckpointCorruptError
 from checkpointing.format import naming
 from checkpointing.format.naming import new_token
-from checkpointing.storage import base
+from checkpointing.storage import base, sizes
 from checkpointing.storage.local_stream import LocalStream, lone_file
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -287,6 +287,9 @@ class LocalStorage:
         if stat.S_ISDIR(st.st_mode):
             raise FileNotFoundError(errno.ENOENT, f"{self._abs(path)}: a directory, not an object")
         return st.st_size
+
+    def sizes(self, paths: list[str]) -> dict[str, int | None]:
+        return sizes.one_by_one(self, paths)
 
     def mtime(self, path: str) -> float:
         return (self._lstat(path) if path else self.root.stat()).st_mtime

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 from fsspec.core import split_protocol
 
 from checkpointing.errors import CheckpointConfigError
-from checkpointing.storage import base
+from checkpointing.storage import base, sizes
 from checkpointing.storage.endpoint import S3_PROTOCOLS, open_endpoint
 from checkpointing.storage.redact import redact_url
 from checkpointing.storage.retry import RetryPolicy
@@ -254,6 +254,9 @@ class FsspecStorage:
         if info.get("type") != "file":
             raise FileNotFoundError(f"{self.endpoint.where(path)}: no such object (a directory)")
         return int(info["size"])
+
+    def sizes(self, paths: list[str]) -> dict[str, int | None]:
+        return sizes.listed_or_one_by_one(self, paths, functools.partial(sizes.listed, self.endpoint))
 
     def mtime(self, path: str) -> float:
         """Seconds since the epoch of the object's last change (0.0 where the filesystem keeps no time)."""

@@ -192,14 +192,13 @@ def check_files(storage: Storage, manifest: Manifest) -> None:
 
 
 def size_mismatches(storage: Storage, expected: Iterable[tuple[str, int]]) -> Iterator[tuple[str, int | None, int]]:
-    """(path, size found or None when missing, size expected) for each object that does not have its expected size."""
+    """(path, size found or None when missing, size expected) for each object that does not have its
+    expected size (Storage.sizes: an object store lists each directory rather than asking per object)."""
+    expected = list(expected)
+    found = storage.sizes([path for path, _ in expected])
     for path, nbytes in expected:
-        try:
-            found: int | None = storage.size(path)
-        except FileNotFoundError:
-            found = None
-        if found != nbytes:
-            yield path, found, nbytes
+        if found[path] != nbytes:
+            yield path, found[path], nbytes
 
 
 def step_infos(storage: Storage, steps: Iterable[int], *, metrics: bool) -> list[StepInfo]:
