@@ -346,10 +346,11 @@ def set_io_policy(labels: Labels, policy: str) -> list:
 def per_step_md(res: dict, upto: int = 7) -> list[str]:
     """Per config, the steps after each save() (+0 is the step that called it, at its end), means
     over the saves: step time, the loop and intra-op threads' time asleep (wall - CPU - run-queue
-    wait), the loop thread's run-queue wait, the machine's steal and the checkpoint threads' CPU;
-    then the same for the steps with no save in flight."""
+    wait), the loop thread's run-queue wait, the machine's steal and the checkpoint threads' CPU
+    (with --ranks, every rank's: each rank accounts its own per step); then the same for the steps
+    with no save in flight."""
     L = ["**Step by step after save()** (means over saves; s; asleep: loop / intra-op thread; steal: all vCPUs):\n",
-         "| config | step | n | step s | asleep s | run-queue wait s | machine steal vCPU-s | checkpoint threads CPU-s |",
+         "| config | step | n | step s | asleep s | run-queue wait s | machine steal vCPU-s | checkpoint threads CPU-s (every rank's with --ranks) |",
          "|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def cells(rows: list[dict]) -> str:
@@ -357,7 +358,7 @@ def per_step_md(res: dict, upto: int = 7) -> list[str]:
             return sum(get(r) for r in rows) / len(rows)
         return (f"{len(rows)} | {mean(lambda r: r['dt']):.3f} | {mean(lambda r: r['cats']['train']['blocked_s']):.3f} / "
                 f"{mean(lambda r: r['cats']['intra']['blocked_s']):.3f} | {mean(lambda r: r['cats']['train']['wait_s']):.3f} | "
-                f"{mean(lambda r: r.get('steal_s', 0.0)):.3f} | {mean(lambda r: r['cats']['ckpt']['cpu_s']):.3f} |")
+                f"{mean(lambda r: r.get('steal_s', 0.0)):.3f} | {mean(lambda r: r['cats']['ckpt']['cpu_s'] + r.get('ranks_ckpt_cpu_s', 0.0)):.3f} |")
 
     for key, raw in res.get("raw", {}).items():
         by: dict[int, list[dict]] = {}
