@@ -241,24 +241,28 @@ def _shard_fast(raw: Any, shape: tuple[int, ...], size: int) -> ShardEntry | Non
     chunks = tuple(map(_chunk_fast, raw_chunks))
     if None in chunks or sum(c.length for c in chunks) != math.prod(sshape) * size:  # type: ignore[union-attr]
         return None
-    raw_replicas = raw.get("replicas", [])
-    if type(raw_replicas) is not list or raw_replicas and not _replicas_fast(raw_replicas, chunks):  # type: ignore[arg-type]
+    replicas = _replicas_fast(raw.get("replicas", []), chunks)  # type: ignore[arg-type]
+    if replicas is None:
         return None
-    replicas = tuple(tuple(map(_chunk_fast, copy)) for copy in raw_replicas)
     return ShardEntry(tuple(offsets), tuple(sshape), chunks, replicas)  # type: ignore[arg-type]
 
 
-def _replicas_fast(raw: list, primary: tuple[ChunkRef, ...]) -> bool:
-    if len(raw) > 1 << 16:
-        return False
+def _replicas_fast(raw: Any, primary: tuple[ChunkRef, ...]) -> tuple[tuple[ChunkRef, ...], ...] | None:
+    """_decode_replicas when every copy is valid and matches the primary, else None."""
+    if type(raw) is not list or len(raw) > 1 << 16:
+        return None
+    if not raw:
+        return ()
     want = [(c.length, c.digest) for c in primary]
+    out = []
     for copy in raw:
         if type(copy) is not list:
-            return False
-        chunks = [_chunk_fast(c) for c in copy]
+            return None
+        chunks = tuple(map(_chunk_fast, copy))
         if None in chunks or [(c.length, c.digest) for c in chunks] != want:  # type: ignore[union-attr]
-            return False
-    return True
+            return None
+        out.append(chunks)
+    return tuple(out)  # type: ignore[arg-type]
 
 
 def _decode_shard(raw: Any, shape: tuple[int, ...], size: int, sw: str) -> ShardEntry:
