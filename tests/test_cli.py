@@ -98,6 +98,24 @@ def test_verify_finds_damage_on_s3_and_bad_credentials_fail_cleanly(saved, run):
     assert code == 2 and "cannot open s3://no-such-bucket-x/p" in out and "wrong-secret-123" not in out, out
 
 
+def test_inspect_names_a_missing_or_truncated_data_file_on_each_tier(saved, run):
+    """inspect checks every data file's size without reading it (on S3: a listing of the step's
+    directory): a truncated pack on the remote tier and a deleted one on the local tier are named."""
+    local, url, options = saved
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    key = next(o["Key"] for o in client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-0000000003/")["Contents"]
+               if o["Key"].endswith(".pack"))
+    client().put_object(Bucket=bucket, Key=key, Body=b"short")
+    code, out = run("inspect", url, *opts(options), "--step", "3")
+    assert code == 1 and "damaged" in out and key.rsplit("/", 1)[1] in out and "5 bytes, expected" in out, out
+    code, out = run("inspect", url, *opts(options), "--step", "2")
+    assert code == 0, out
+    [pack] = (local / "step-0000000003").glob("*.pack")
+    pack.unlink()
+    code, out = run("inspect", str(local), "--step", "3")
+    assert code == 1 and f"{pack.name}: missing or not a regular file" in out, out
+
+
 def test_gc_removes_only_unreferenced_data(run, tmp_path, s3_bucket):
     url, options = s3_bucket
     kwargs = dict(remote=url, storage_options=options, upload_part_bytes=5 * MiB)

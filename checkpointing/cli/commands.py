@@ -186,11 +186,9 @@ def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
                     end = max(expected.get(c.file, (0, 0))[0], c.offset + c.length)
                     expected[c.file] = (end, 1 << 62)
     bad = []
+    sizes = storage.sizes(sorted(expected))  # an object store lists each directory rather than a HEAD per file
     for path, (lo, hi) in sorted(expected.items()):
-        try:
-            found: int | None = storage.size(path)
-        except FileNotFoundError:
-            found = None
+        found = sizes[path]
         if found is None or not lo <= found <= hi:
             bad.append(f"{storage.url}/{path}: " + ("missing or not a regular file" if found is None else f"{found} bytes, expected {lo}"))
     for line in bad:
