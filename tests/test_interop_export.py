@@ -231,3 +231,18 @@ def test_export_from_s3(tmp_path, s3_bucket):
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert result.step == 1
     assert all(_same(got[k], v.float() if v.is_floating_point() else v) for k, v in state.items())
+
+
+def test_a_truncated_data_file_is_refused_before_anything_is_allocated(tmp_path):
+    """Export checks every data file's size against the manifest first (one listing per directory on
+    an object store): a truncated pack is named, with what to do, and nothing is written."""
+    from checkpointing import CheckpointCorruptError
+
+    _save(tmp_path / "ck", _state())
+    [pack] = (tmp_path / "ck" / "step-0000000003").glob("*.pack")
+    with open(pack, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointCorruptError, match=r"lie past its end \(100 bytes\)") as info:
+        export_safetensors(tmp_path / "ck", tmp_path / "out", only="model")
+    assert pack.name in str(info.value) and "export another step" in str(info.value)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")

@@ -79,14 +79,11 @@ def open_source(source: str | os.PathLike | Storage, storage_options: Mapping[st
 
 def check_extent(storage: Storage, manifest: Manifest) -> None:
     """Refuse, before any allocation, a manifest that promises more bytes than this tier's files hold."""
-    sizes: dict[str, int] = {}
-    for path in sorted(manifest.data_files()):
-        try:
-            sizes[path] = storage.size(path)
-        except FileNotFoundError:
-            continue  # on another tier, or missing: reading the shard says which
-        except (CheckpointError, OSError) as exc:
-            raise CheckpointCorruptError(f"step {manifest.step}: data file {storage.url}/{path} cannot be read ({exc})") from None
+    try:
+        found = storage.sizes(sorted(manifest.data_files()))  # an object store lists each directory
+    except (CheckpointError, OSError) as exc:
+        raise CheckpointCorruptError(f"step {manifest.step}: the data files in {storage.url} cannot be read ({exc})") from None
+    sizes = {path: n for path, n in found.items() if n is not None}  # missing: on another tier, or missing (reading the shard says which)
     for entry in manifest.tensors:
         for shard in entry.shards:
             for copy in shard.copies():
