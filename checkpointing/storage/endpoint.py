@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import fsspec
 
@@ -72,6 +72,27 @@ class Endpoint:
     def s3(self, what: str, path: str, method: str, **kwargs: Any) -> Any:
         """One S3 API call (`method` of botocore's client) on this bucket, through `request`."""
         return self.request(what, path, lambda: self.s3_once(method, **kwargs))
+
+    def ls(self, path: str) -> list[dict[str, Any]]:
+        """fsspec's detailed listing of the directory `path` (not S3: see s3_listing); [] if it is missing."""
+        full = self.full(path)
+        try:
+            return self.request("list", path, lambda: self.fs.ls(full, detail=True))
+        except FileNotFoundError:
+            return []
+
+    def s3_listing(self, path: str, *, delimiter: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The pages of ListObjectsV2 below `path/` (its immediate children with `delimiter`, else
+        every key), each with the key prefix its names are relative to."""
+        key = self.key(path)
+        under = f"{key}/" if key else ""
+        query: dict[str, Any] = {"Prefix": under, **({"Delimiter": "/"} if delimiter else {})}
+        while True:
+            page = self.s3("list", path, "list_objects_v2", **query)
+            yield under, page
+            if not page.get("IsTruncated"):
+                return
+            query["ContinuationToken"] = page["NextContinuationToken"]
 
     def s3_once(self, method: str, **kwargs: Any) -> Any:
         """One S3 API call on this bucket, not retried: for a caller that wraps it in `request` itself."""

@@ -277,28 +277,16 @@ class FsspecStorage:
     def list(self, prefix: str = "") -> list[str]:
         if self.is_s3:
             return sorted(self._s3_names(prefix, delimiter=True))
-        ep = self.endpoint
-        full = ep.full(prefix)
-        try:
-            entries = ep.request("list", prefix, lambda: ep.fs.ls(full, detail=True))
-        except FileNotFoundError:
-            return []
-        names = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["name"].rstrip("/") != full}
+        full = self.endpoint.full(prefix)
+        names = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.endpoint.ls(prefix) if e["name"].rstrip("/") != full}
         return sorted(names)
 
     def _s3_names(self, prefix: str, *, delimiter: bool) -> set[str]:
         """Names below `prefix`: immediate children (delimiter) or every key, relative to `prefix/`."""
-        under = self.endpoint.key(prefix)
-        under = f"{under}/" if under else ""
-        query: dict[str, Any] = {"Prefix": under, **({"Delimiter": "/"} if delimiter else {})}
         names: set[str] = set()
-        while True:
-            page = self.endpoint.s3("list", prefix, "list_objects_v2", **query)
+        for under, page in self.endpoint.s3_listing(prefix, delimiter=delimiter):
             names.update(p["Prefix"][len(under) :].rstrip("/") for p in page.get("CommonPrefixes", []))
             names.update(o["Key"][len(under) :] for o in page.get("Contents", []))
-            if not page.get("IsTruncated"):
-                break
-            query["ContinuationToken"] = page["NextContinuationToken"]
         names.discard("")
         return names
 

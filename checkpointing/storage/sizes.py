@@ -49,18 +49,6 @@ def listed(endpoint: Endpoint, directory: str) -> dict[str, int]:
     """Name -> size of the objects directly in `directory` (s3: ListObjectsV2, 1,000 per request;
     elsewhere fsspec's ls with details). A missing directory lists nothing."""
     if endpoint.is_s3:
-        key = endpoint.key(directory)
-        query: dict[str, Any] = {"Prefix": f"{key}/" if key else "", "Delimiter": "/"}
-        out: dict[str, int] = {}
-        while True:
-            page = endpoint.s3("list", directory, "list_objects_v2", **query)
-            out.update({o["Key"][len(query["Prefix"]) :]: int(o["Size"]) for o in page.get("Contents", [])})
-            if not page.get("IsTruncated"):
-                return out
-            query["ContinuationToken"] = page["NextContinuationToken"]
-    full = endpoint.full(directory)
-    try:
-        entries = endpoint.request("list", directory, lambda: endpoint.fs.ls(full, detail=True))
-    except FileNotFoundError:
-        return {}
-    return {e["name"].rstrip("/").rpartition("/")[2]: int(e["size"]) for e in entries if e.get("type") == "file"}
+        return {o["Key"][len(under) :]: int(o["Size"]) for under, page in endpoint.s3_listing(directory, delimiter=True)
+                for o in page.get("Contents", [])}
+    return {e["name"].rstrip("/").rpartition("/")[2]: int(e["size"]) for e in endpoint.ls(directory) if e.get("type") == "file"}
