@@ -10,12 +10,23 @@ background work.
 
     python bench/bench_yield.py [--rounds 4] [--phase-s 3] [--json out.json]
     python bench/bench_yield.py --model transformer --phase-s 5 --rounds 3   # the 0.7 GB transformer + AdamW of bench_core.py
+    python bench/bench_yield.py --model transformer --phases python_idle,pythonyield_idle,merge_idle,mergeheld_idle --merge 64x256
+    python bench/bench_yield.py --model probe --phases python_idle,pythonyield_idle,merge_idle,mergeheld_idle
 
 `--model transformer` trains bench_core.py's transformer instead (a step of about a second that
 dispatches thousands of small ops, each taking the GIL back), adds idle-priority phases that copy
 64 MiB with memmove and write 32 MiB O_DIRECT blocks, and reports the loop thread's time asleep
 per step (wall time less its CPU and run-queue time, from /proc/thread-self/schedstat; on a
-virtual machine stolen time counts as asleep).
+virtual machine stolen time counts as asleep). Its Python phases: `python_idle` holds the GIL until
+CPython's switch interval takes it away, `pythonyield_idle` hands it over every millisecond
+(checkpointing/format/handoff.py), `merge_idle` runs rank 0's commit work of `--merge` ranks x
+DTensors (bench_dist.py's synthetic reports: parse, merge, encode, decode) again and again, and
+`mergeheld_idle` the same with handoff() never releasing (the GIL held as before handoff.py).
+
+`--model probe` trains nothing: the loop thread sleeps 0.5 ms again and again and records how
+late it runs again, which is how long it waited for the GIL (it needs almost no CPU, so a
+busy core or a stolen one hardly delays it); the table then gives that delay's median and 99th
+percentile per phase.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import torch
 import xxhash
 
 PHASES = ("none", "python_idle", "xxh3_idle", "python_normal", "xxh3_normal")
-PHASES_TRANSFORMER = ("none", "python_idle", "xxh3_idle", "memmove_idle", "write_idle")
+PHASES_TRANSFORMER = ("none", "python_idle", "pythonyield_idle", "merge_idle", "xxh3_idle", "memmove_idle", "write_idle")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,18 +54,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase-s", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="intra-op threads (default: every core)")
     p.add_argument("--json", default=None)
-    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    p.add_argument("--model", choices=("mlp", "transformer", "probe"), default="mlp")
+    p.add_argument("--phases", default=None, help="comma-separated subset of the phases (default: all of the model's)")
+    p.add_argument("--merge", default="64x256", help="merge phase: rank 0's merge of RANKSxDTENSORS synthetic reports, again and again")
     p.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"), help="for the write phase")
     P = p.parse_args(argv)
     if not hasattr(os, "SCHED_IDLE"):
         sys.exit("needs Linux (SCHED_IDLE)")
     torch.set_num_threads(P.threads)
     torch.manual_seed(0)
-    phases = PHASES if P.model == "mlp" else PHASES_TRANSFORMER
+    phases = PHASES if P.model != "transformer" else PHASES_TRANSFORMER
+    if P.phases:
+        phases = tuple(["none"] + [ph for ph in P.phases.split(",") if ph != "none"])
+    merge = _merge_work(*map(int, P.merge.split("x"))) if any(ph.startswith("merge") for ph in phases) else None
     buf = bytearray(1 << 20)
     phase = {"now": "none"}
     stop = threading.Event()
-    if P.model == "mlp":
+    late: dict[str, list[float]] = {}
+    if P.model == "probe":
+
+        def step() -> None:
+            mine = late.setdefault(phase["now"], [])
+            for _ in range(100):
+                t0 = time.perf_counter()
+                time.sleep(0.0005)
+                mine.append(time.perf_counter() - t0 - 0.0005)
+    elif P.model == "mlp":
         net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
         opt = torch.optim.SGD(net.parameters(), lr=1e-4)
         x = torch.randn(256, 1024)
@@ -92,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
                 s = 0
                 for i in range(2000):  # holds the GIL
                     s += i * i
+            elif now == "pythonyield" + suffix:  # the same, handing the GIL over every millisecond (gil.py)
+                s, t_end = 0, time.perf_counter() + 0.001
+                while time.perf_counter() < t_end:
+                    for i in range(100):
+                        s += i * i
+                time.sleep(0)
+            elif now == "merge" + suffix and merge is not None:  # rank 0's commit work (parse, merge, encode, decode)
+                merge(True)
+            elif now == "mergeheld" + suffix and merge is not None:
+                merge(False)
             elif now == "xxh3" + suffix:
                 xxhash.xxh3_128_digest(buf)  # releases the GIL while it hashes
             elif now == "memmove" + suffix:
@@ -135,10 +170,43 @@ def main(argv: list[str] | None = None) -> int:
         rows[ph] = {"step_s": med, "ratio": med / base, "rounds": steps[ph], "asleep_s": statistics.median(asleep[ph])}
         print(f"| {ph} | {med * 1e3:.1f} ms | {med / base:.2f} | {statistics.median(asleep[ph]) * 1e3:.0f} ms | "
               f"{', '.join(f'{v * 1e3:.0f}' for v in steps[ph])} |")
+    if late:
+        print("\n| background thread | loop thread's wait for the GIL after a 0.5 ms sleep: median | 99th percentile | max |")
+        print("|---|---:|---:|---:|")
+        for ph in phases:
+            xs = sorted(late[ph])
+            rows[ph].update(late_median_s=xs[len(xs) // 2], late_p99_s=xs[int(len(xs) * 0.99)], late_max_s=xs[-1])
+            print(f"| {ph} | {xs[len(xs) // 2] * 1e3:.3f} ms | {xs[int(len(xs) * 0.99)] * 1e3:.2f} ms | {xs[-1] * 1e3:.1f} ms |")
     if P.json:
         with open(P.json, "w") as fh:
             json.dump({"threads": P.threads, "cpus": os.cpu_count(), "torch": torch.__version__, "phases": rows}, fh, indent=1)
     return 0
+
+
+def _merge_work(world: int, tensors: int):
+    """Rank 0's part of a commit of `world` ranks' reports of `tensors` DTensors each, as the
+    coordinator runs it (dist/store_coordinator.py): parse every report, merge, encode, decode."""
+    import json
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_dist import synthetic_parts
+
+    from checkpointing.format import handoff
+    from checkpointing.format.gcpause import gc_paused
+    from checkpointing.format.rank_reports import merge_parts, part_from
+
+    blobs = synthetic_parts(world, tensors)
+
+    def once(hand_off: bool) -> None:
+        handoff.INTERVAL_S = 0.001 if hand_off else float("inf")
+        with gc_paused():
+            parts = []
+            for b in blobs:
+                handoff.handoff()  # as the coordinator parses the reports
+                parts.append(part_from(json.loads(b)))
+            merge_parts(1, parts, ("t",) * world)
+
+    return once
 
 
 def _schedstat() -> tuple[float, float]:

@@ -32,6 +32,7 @@ from checkpointing.dist.types import SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
 from checkpointing.format.decode import decode_committed_step
 from checkpointing.format.gcpause import gc_paused
+from checkpointing.format.handoff import handoff
 from checkpointing.format.manifest import CommittedStep, Manifest, encode_committed_step, manifest_digest
 from checkpointing.format.rank_reports import RankPart, encode_part, merge_parts, part_from
 from checkpointing.storage import LocalStorage, Storage
@@ -156,6 +157,7 @@ class StoreCoordinator:
         parts = []
         with gc_paused():  # the reports parsed, merged, encoded and decoded: a burst of objects (gcpause.py)
             for r, data in enumerate(self.store.multi_get(part_keys)):
+                handoff()  # a report per rank parsed here, on a background thread: format/handoff.py
                 msg = json.loads(data)
                 if msg.get("ok") is False:
                     (roots if msg.get("root") else failures)[r] = msg["error"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import json
 import math
 import re
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 from checkpointing.errors import ManifestError
 from checkpointing.format.dtypes import BY_NAME, itemsize
 from checkpointing.format.gcpause import gc_paused
+from checkpointing.format import json_pieces
+from checkpointing.format.handoff import handoff
 from checkpointing.format.manifest import (
     CHUNK_DIGEST,
     FORMAT_VERSION,
@@ -46,7 +47,7 @@ MAX_METRIC_NAME = 128
 
 def _load_json(data: bytes, where: str, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> dict[str, Any]:
     try:
-        obj = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        obj = json_pieces.loads(data.decode("utf-8"), split="tensors", parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{where} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(obj, dict):
@@ -164,6 +165,7 @@ def _decode_manifest(data: bytes, where: str) -> Manifest:
     files = _decode_files(_field(obj, "files", where), world_size, where)
     sizes = {f.path: f.nbytes for f in files}
     for t in tensors:
+        handoff()
         for s in t.shards:
             for copy in s.copies():
                 for c in copy:
@@ -180,6 +182,7 @@ def _decode_files(raw: Any, world_size: int, where: str) -> tuple[FileEntry, ...
         raise ManifestError(f"{where}: files must be a list")
     files = []
     for i, item in enumerate(raw):
+        handoff()
         fw = f"{where} files[{i}]"
         if not isinstance(item, list) or len(item) != 5:
             raise ManifestError(f"{fw} must be [path, rank, tier, nbytes, primary_bytes]")
@@ -216,6 +219,7 @@ def _decode_tensor(obj: Any, where: str) -> TensorEntry:
     shards = []
     covered = 0
     for j, raw in enumerate(raw_shards):
+        handoff()
         shard = _shard_fast(raw, shape, size) or _decode_shard(raw, shape, size, f"{where} shard {j}")
         covered += math.prod(shard.shape)
         shards.append(shard)

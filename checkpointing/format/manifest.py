@@ -14,6 +14,7 @@ from typing import Any, Mapping, Union
 import xxhash
 
 from checkpointing.format.dtypes import dtype_from_name, itemsize
+from checkpointing.format.handoff import handoff
 
 FORMAT_VERSION = 3
 CHUNK_DIGEST = "xxh3-128"
@@ -178,24 +179,35 @@ def encode_files(files: tuple[FileEntry, ...]) -> list[list[Any]]:
 
 
 def encode_manifest(m: Manifest) -> bytes:
+    """canonical_json of the manifest. The tensor list, which grows with ranks x tensors, is encoded
+    tensor by tensor with handoff() between them, not in one C call that holds the GIL throughout
+    (about 0.3 s at 256 ranks x 256 DTensors); the bytes are the same (JSON without indentation
+    encodes a list element alike wherever it stands)."""
     if m.format_version != FORMAT_VERSION:
         raise ValueError(f"this library writes manifest version {FORMAT_VERSION}, not {m.format_version}")
-    return canonical_json(
-        {
-            **({"metrics": dict(m.metrics)} if m.metrics else {}),
-            "format_version": m.format_version,
-            "step": m.step,
-            "world_size": m.world_size,
-            "chunk_digest": CHUNK_DIGEST,
-            "files": encode_files(m.files),
-            "trees": list(m.trees),
-            "rank_trees": list(m.rank_trees),
-            "tensors": [
-                {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "shards": [_encode_shard(s) for s in t.shards]}
-                for t in m.tensors
-            ],
-        }
-    )
+    fields: dict[str, Any] = {
+        **({"metrics": dict(m.metrics)} if m.metrics else {}),
+        "format_version": m.format_version,
+        "step": m.step,
+        "world_size": m.world_size,
+        "chunk_digest": CHUNK_DIGEST,
+        "files": encode_files(m.files),
+        "trees": list(m.trees),
+        "rank_trees": list(m.rank_trees),
+    }
+    out = []
+    for name in sorted([*fields, "tensors"]):
+        value = _encode_tensors(m.tensors) if name == "tensors" else canonical_json(fields[name])
+        out.append(canonical_json(name) + b":" + value)
+    return b"{" + b",".join(out) + b"}"
+
+
+def _encode_tensors(tensors: tuple[TensorEntry, ...]) -> bytes:
+    pieces = []
+    for t in tensors:
+        handoff()
+        pieces.append(canonical_json({"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "shards": [_encode_shard(s) for s in t.shards]}))
+    return b"[" + b",".join(pieces) + b"]"
 
 
 def encode_committed_step(c: CommittedStep) -> bytes:

@@ -25,6 +25,7 @@ import xxhash
 
 from checkpointing.errors import ManifestError, MergeError
 from checkpointing.format.decode import decode_manifest
+from checkpointing.format.handoff import handoff
 from checkpointing.format.manifest import (ChunkRef, FileEntry, Manifest, Metrics, ShardEntry, TensorEntry, canonical_json, encode_files,
                                            encode_manifest)
 from checkpointing.format.tiling import check_tiling
@@ -146,6 +147,7 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
     for part in parts:
         mapping = []
         for leaf in part.leaves:
+            handoff()
             which = ident(leaf)
             if leaf.global_shape is not None:
                 shape = leaf.global_shape
@@ -169,16 +171,7 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
     tensors, primary_end = _finish_entries(entries, parts, tiers, problems)
     if problems:
         raise MergeError(problems)
-    trees: list[dict[str, Any]] = []
-    seen: dict[bytes, int] = {}
-    rank_trees = []
-    for part, mapping in zip(parts, leaf_map):
-        tree = _remap(part.tree, mapping)
-        key = canonical_json(tree)
-        if key not in seen:
-            seen[key] = len(trees)
-            trees.append(tree)
-        rank_trees.append(seen[key])
+    trees, rank_trees = _distinct_trees(parts, leaf_map)
     files = _file_table(parts, tensors, tiers, primary_end, problems)
     if problems:
         raise MergeError(problems)
@@ -193,15 +186,35 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
     return manifest, data, per_rank
 
 
+def _distinct_trees(parts: list[RankPart], leaf_map: list[list[int]]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Each rank's tree rewritten to the merged tensor indices; each distinct tree once, and which one each rank has."""
+    trees: list[dict[str, Any]] = []
+    seen: dict[bytes, int] = {}
+    rank_trees = []
+    for part, mapping in zip(parts, leaf_map):
+        handoff()
+        tree = _remap(part.tree, mapping)
+        key = canonical_json(tree)
+        if key not in seen:
+            seen[key] = len(trees)
+            trees.append(tree)
+        rank_trees.append(seen[key])
+    return trees, rank_trees
+
+
 def _file_table(parts: list[RankPart], tensors: list[TensorEntry], tiers: tuple[str, ...], primary_end: dict[str, int],
                 problems: list[str]) -> tuple[FileEntry, ...]:
     """Each rank's new pack file, then the earlier steps' files the parts take chunks from, as
     their own manifests listed them (a file's entry never changes: the remote tier holds exactly
     its primary_bytes). Only files some chunk reference names are listed."""
-    used = {c.file for t in tensors for s in t.shards for copy in s.copies() for c in copy}
+    used: set[str] = set()
+    for t in tensors:
+        handoff()
+        used.update(c.file for s in t.shards for copy in s.copies() for c in copy)
     files = [FileEntry(p.file, p.rank, tiers[p.rank], p.nbytes, primary_end.get(p.file, 0)) for p in parts if p.nbytes or p.file in primary_end]
     listed = {f.path for f in files}
     for part in parts:
+        handoff()
         for f in part.borrowed:
             if f.path in listed or f.path not in used:
                 continue
@@ -254,6 +267,7 @@ class _Idents:
 def _check_local_copies(parts: list[RankPart], entries: list[_Entry], index: dict[tuple, int], ident: _Idents, tiers: tuple[str, ...],
                         problems: list[str]) -> None:
     for part in parts:
+        handoff()
         for leaf in part.leaves:
             if leaf.chunks is not None:
                 continue
@@ -269,6 +283,7 @@ def _finish_entries(entries: list[_Entry], parts: list[RankPart], tiers: tuple[s
     for entry in entries:
         shards = []
         for shard in sorted(entry.shards.values(), key=lambda s: s.offsets):
+            handoff()
             copies = sorted(shard.copies, key=lambda c: (c[0], c[1]))
             if not copies:
                 problems.append(f"{entry.key}: no rank wrote the shard at {list(shard.offsets)}")
