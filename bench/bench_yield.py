@@ -26,7 +26,9 @@ DTensors (bench_dist.py's synthetic reports: parse, merge, encode, decode) again
 `--model probe` trains nothing: the loop thread sleeps 0.5 ms again and again and records how
 late it runs again, which is how long it waited for the GIL (it needs almost no CPU, so a
 busy core or a stolen one hardly delays it); the table then gives that delay's median and 99th
-percentile per phase.
+percentile per phase. Its phase `save` has CheckpointManager save a `--save-gb` transformer + AdamW
+(bench_core.py) again and again, each as soon as the last is durable: how long a save's own threads
+keep the GIL from a thread that wants it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("mlp", "transformer", "probe"), default="mlp")
     p.add_argument("--phases", default=None, help="comma-separated subset of the phases (default: all of the model's)")
     p.add_argument("--merge", default="64x256", help="merge phase: rank 0's merge of RANKSxDTENSORS synthetic reports, again and again")
+    p.add_argument("--save-gb", type=float, default=0.7, help="probe's save phase: a model + AdamW of this size, saved by CheckpointManager")
     p.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"), help="for the write phase")
     P = p.parse_args(argv)
     if not hasattr(os, "SCHED_IDLE"):
@@ -71,9 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     phase = {"now": "none"}
     stop = threading.Event()
     late: dict[str, list[float]] = {}
+    full_gcs: dict[str, list[float]] = {}
     if P.model == "probe":
+        saver = _saver(P.save_gb, P.dir) if "save" in phases else None
+        import gc
+
+        gc_start: dict[int, float] = {}
+
+        def on_gc(stage: str, info: dict) -> None:  # full collections, by the phase they fell in: each holds the GIL throughout
+            if info["generation"] == 2:
+                if stage == "start":
+                    gc_start[threading.get_ident()] = time.perf_counter()
+                else:
+                    full_gcs.setdefault(phase["now"], []).append(time.perf_counter() - gc_start.pop(threading.get_ident(), time.perf_counter()))
+
+        gc.callbacks.append(on_gc)
 
         def step() -> None:
+            if phase["now"] == "save" and saver is not None:
+                saver()  # a save of its own whenever the last one is durable; its threads work while this one probes
             mine = late.setdefault(phase["now"], [])
             for _ in range(100):
                 t0 = time.perf_counter()
@@ -171,16 +190,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {ph} | {med * 1e3:.1f} ms | {med / base:.2f} | {statistics.median(asleep[ph]) * 1e3:.0f} ms | "
               f"{', '.join(f'{v * 1e3:.0f}' for v in steps[ph])} |")
     if late:
-        print("\n| background thread | loop thread's wait for the GIL after a 0.5 ms sleep: median | 99th percentile | max |")
-        print("|---|---:|---:|---:|")
+        print("\n| background thread | loop thread's wait for the GIL after a 0.5 ms sleep: mean | median | 99th percentile | max | full collections (ms each) |")
+        print("|---|---:|---:|---:|---:|---|")
         for ph in phases:
             xs = sorted(late[ph])
             rows[ph].update(late_median_s=xs[len(xs) // 2], late_p99_s=xs[int(len(xs) * 0.99)], late_max_s=xs[-1])
-            print(f"| {ph} | {xs[len(xs) // 2] * 1e3:.3f} ms | {xs[int(len(xs) * 0.99)] * 1e3:.2f} ms | {xs[-1] * 1e3:.1f} ms |")
+            gcs = ", ".join(f"{d * 1e3:.0f}" for d in full_gcs.get(ph, [])) or "none"
+            print(f"| {ph} | {sum(xs) / len(xs) * 1e3:.3f} ms | {xs[len(xs) // 2] * 1e3:.3f} ms | {xs[int(len(xs) * 0.99)] * 1e3:.2f} ms | "
+                  f"{xs[-1] * 1e3:.1f} ms | {gcs} |")
     if P.json:
         with open(P.json, "w") as fh:
             json.dump({"threads": P.threads, "cpus": os.cpu_count(), "torch": torch.__version__, "phases": rows}, fh, indent=1)
     return 0
+
+
+def _saver(size_gb: float, root: str):
+    """The probe's `save` phase: bench_core's transformer + AdamW state, saved by a CheckpointManager
+    with its defaults (its threads at SCHED_IDLE for background_yield_s), a new save as soon as
+    the last one is durable."""
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_core
+
+    from checkpointing import CheckpointManager
+
+    trainer = bench_core.Trainer(size_gb, 1, 16, None, seed=0)
+    os.makedirs(root, exist_ok=True)
+    manager = CheckpointManager(tempfile.mkdtemp(prefix="yield-save-", dir=root), keep_local=2)
+    state = {"model": trainer.model, "optim": trainer.opt}
+    last: list = [None, 0]
+
+    def save() -> None:
+        if last[0] is None or last[0].done():
+            last[1] += 1
+            last[0] = manager.save(last[1], state)
+
+    return save
 
 
 def _merge_work(world: int, tensors: int):

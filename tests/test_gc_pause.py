@@ -85,6 +85,36 @@ def test_a_save_merges_with_the_collector_paused_and_leaves_it_on(tmp_path, monk
     assert gc.isenabled()
 
 
+def test_a_save_is_written_and_committed_with_the_collector_paused(tmp_path, monkeypatch):
+    """The save's objects die young by reference counting instead of being promoted by collections
+    while they live (which set off full collections of the whole heap every few dozen saves)."""
+    import checkpointing.save.worker as worker
+
+    states = []
+    real_write, real_commit = worker.run_save, coordinator.merge_parts
+
+    def write(*args, **kwargs):
+        states.append(("write", gc.isenabled()))
+        return real_write(*args, **kwargs)
+
+    def merge(*args, **kwargs):
+        states.append(("merge", gc.isenabled()))
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "run_save", write)
+    monkeypatch.setattr(coordinator, "merge_parts", merge)
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": model}).wait()
+    assert gc.isenabled()  # on again once the saves are done (wait() returns before the worker retires old steps)
+    assert states == [("write", False), ("merge", False)] * 2
+    gc.disable()  # a process that runs without the collector keeps it off across saves
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(3, {"model": model}).wait()
+    assert not gc.isenabled()
+
+
 def test_a_restore_decodes_the_manifest_with_the_collector_paused(tmp_path, monkeypatch):
     """Every restore decodes the manifest it reads (a 10 MB manifest at 256 ranks: millions of
     objects); decode_manifest runs paused wherever it is called from, and leaves the collector on."""

@@ -9,7 +9,10 @@ walk the whole process's heap, every tensor and module of the training process i
 half of rank 0's CPU per save went to them, and half of decoding a 10 MB manifest
 (docs/benchmarks.md, "What every rank pays per save for the commit"). None of it forms cycles;
 reference counting frees it all the same. `decode.decode_manifest` runs inside this pause; the
-coordinators (dist/) put it around rank 0's whole merge.
+coordinators (dist/) put it around rank 0's whole merge, and the save worker (save/worker.py)
+around each save it writes and commits: objects that live while a save runs and die after it
+would otherwise be promoted by collections meanwhile and set off a full collection every few dozen
+saves. Cyclic garbage the rest of the process makes inside a block is collected after it.
 """
 
 from __future__ import annotations
