@@ -230,16 +230,31 @@ def bench_reports(worlds: list[int], tensors: int, reps: int = 3) -> list[dict]:
         row = {"world": world, "tensors": tensors, "shards": world * tensors, "report_bytes": len(blobs[-1]), "reports_bytes": sum(map(len, blobs)),
                "manifest_bytes": len(data), "encode_s": statistics.median(enc), "parse_s": statistics.median(parse), "merge_s": statistics.median(merge)}
         row.update(_restore_decode(data, reps))
+        row.update(_store_copy(data))
         row.update(_accounts(data))
         rows.append(row)
         print(f"reports {world:4d} ranks x {tensors} DTensors: a report {row['report_bytes'] / 1e3:.0f} kB (encode {row['encode_s'] * 1e3:.1f} ms), "
               f"rank 0 parses {row['reports_bytes'] / 1e6:.1f} MB in {row['parse_s'] * 1e3:.0f} ms, merges in {row['merge_s'] * 1e3:.0f} ms "
-              f"(manifest {row['manifest_bytes'] / 1e6:.1f} MB): {(row['parse_s'] + row['merge_s']) / row['shards'] * 1e6:.1f} us per shard; "
+              f"(manifest {row['manifest_bytes'] / 1e6:.1f} MB; each other tier's leader fetches {row['store_manifest_bytes'] / 1e6:.2f} MB, "
+              f"compressed in {row['compress_s'] * 1e3:.0f} ms, inflated in {row['decompress_s'] * 1e3:.0f} ms): {(row['parse_s'] + row['merge_s']) / row['shards'] * 1e6:.1f} us per shard; "
               f"a restore decodes it in {row['decode_s'] * 1e3:.0f} ms (collector on throughout: {row['decode_gc_on_s'] * 1e3:.0f} ms); "
               f"a rank's account of the step: the whole file table {row['account_whole_bytes'] / 1e3:.1f} kB (decoded in "
               f"{row['account_whole_s'] * 1e3:.2f} ms), its own files {row['account_own_bytes']} B ({row['account_own_s'] * 1e3:.2f} ms)", flush=True)
         del blobs, parts
     return rows
+
+
+def _store_copy(data: bytes) -> dict:
+    """What every other local tier's leader fetches from rank 0's store per save: the manifest,
+    zlib level 1 (dist/store_coordinator.py); rank 0's CPU to compress it, a leader's to inflate it."""
+    import zlib
+
+    t0 = time.thread_time()
+    packed = zlib.compress(data, 1)
+    t1 = time.thread_time()
+    zlib.decompress(packed)
+    t2 = time.thread_time()
+    return {"store_manifest_bytes": len(packed), "compress_s": t1 - t0, "decompress_s": t2 - t1}
 
 
 def _accounts(data: bytes) -> dict:

@@ -314,16 +314,32 @@ def restore_latest(rank: int, world: int, directory: str) -> tuple[int | None, f
     return step, float(x["x"][0])
 
 
-def node_local_save(rank: int, world: int, base: str) -> list[int]:
-    """Each rank on its own 'node' (its own local_dir); replicated tensors are written once per node."""
+def node_local_save(rank: int, world: int, base: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Each rank on its own 'node' (its own local_dir); replicated tensors are written once per node.
+    Also: the (stored, decompressed) sizes of the manifests this rank fetched from rank 0's store."""
+    import zlib
+
+    import checkpointing.dist.store_coordinator as coordinator
     from checkpointing import CheckpointManager
 
+    fetched = []
+
+    class _Zlib:
+        compress = staticmethod(zlib.compress)
+
+        @staticmethod
+        def decompress(data):
+            out = zlib.decompress(data)
+            fetched.append((len(data), len(out)))
+            return out
+
+    coordinator.zlib = _Zlib
     model, opt = build(world)
     train(model, opt, 1, rank=rank)
     replicated = torch.arange(1 << 16, dtype=torch.float32)
     with CheckpointManager(f"{base}/node{rank}", timeout_s=60) as mgr:
         mgr.save(1, {"model": model, "optim": opt, "table": replicated}).wait()
-        return mgr.steps()
+        return mgr.steps(), fetched
 
 
 def node_local_restore(rank: int, world: int, base: str) -> str:

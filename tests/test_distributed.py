@@ -96,7 +96,12 @@ def test_a_killed_rank_times_out_the_others_and_a_restart_restores(tmp_path):
 
 def test_node_local_tiers_hold_what_their_ranks_need(tmp_path, capsys):
     base = tmp_path / "nodes"
-    assert run_ranks(_dist.node_local_save, 2, str(base), tmp=tmp_path) == [[1], [1]]
+    (steps0, fetched0), (steps1, fetched1) = run_ranks(_dist.node_local_save, 2, str(base), tmp=tmp_path)
+    assert steps0 == steps1 == [1]
+    assert fetched0 == []  # rank 0 merged the manifest: it commits its own copy
+    [(stored, size)] = fetched1  # rank 1 leads the other tier: it fetched it from rank 0's store, compressed
+    commit = json.loads((base / "node1" / "step-0000000001" / "COMMIT").read_text())
+    assert stored < size / 2 and size == (base / "node1" / commit["manifest"]).stat().st_size
     for node in ("node0", "node1"):  # each node-local tier has the manifest, the commit and the replicated table
         manifest = _manifest(str(base / node), 1)
         table = next(t for t in manifest["tensors"] if t["key"] == "table")

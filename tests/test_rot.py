@@ -279,3 +279,35 @@ def test_the_bound_holds_when_saves_come_back_to_back(tmp_path):
     for s in range(fixed, 3 + every + 1):
         assert (victim.file, victim.offset) not in all_refs(storage, s)
         assert verify_step(storage, s).ok
+
+
+def test_a_save_queued_behind_the_previous_ones_re_verification_counts_it_as_wait_prev(tmp_path, monkeypatch):
+    """The ckpt-io thread re-verifies after a save's `done`; the next save() waits for it (it is
+    queued behind it). That wait is the previous save's work: wait_prev_s, not this save's stall."""
+    import threading
+
+    from checkpointing.save.scrub import Reverifier
+
+    entered, release, calls = threading.Event(), threading.Event(), []
+    real = Reverifier._check
+
+    def blocking_check(self, step, ref):
+        calls.append(step)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(30)
+        return real(self, step, ref)
+
+    monkeypatch.setattr(Reverifier, "_check", blocking_check)
+    net, opt = frozen_run()
+    gen = torch.Generator().manual_seed(0)
+    with CheckpointManager(tmp_path / "ck", keep_local=None, chunk_bytes=CHUNK) as mgr:
+        save_steps(mgr, net, opt, gen, [1, 2])  # step 2 borrows the frozen base's chunks: its round reads some back
+        assert entered.wait(30)
+        timer = threading.Timer(0.3, release.set)
+        timer.start()
+        mgr.save(3, state_of(net, opt, 3)).wait()
+        timer.join()
+        stats = {s.step: s for s in mgr.stats()}
+    assert stats[3].wait_prev_s >= 0.25  # held by the re-verification for at least the timer's 0.3 s
+    assert stats[2].chunks_reused > 0

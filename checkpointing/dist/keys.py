@@ -10,7 +10,7 @@ of one job, or one job's restarts, never read each other's keys. Under it:
     resume/<rank>               the interrupted uploads the rank can resume (start-up)
     save/<seq>/ws/<rank>        what replicated tensors the rank writes in save number seq
     save/<seq>/part/<rank>      its report (rank_reports.RankPart) or its error
-    save/<seq>/manifest         rank 0's merged manifest
+    save/<seq>/manifest         rank 0's merged manifest (zlib, when several local tiers' leaders read it)
     save/<seq>/committed/<rank> the step's digest and that rank's files of it (CommittedStep.by_rank)
     save/<seq>/ack/<rank>       a local tier's leader committed there, or its error
     save/<seq>/status           rank 0's verdict on the save

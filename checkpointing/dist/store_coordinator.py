@@ -6,7 +6,8 @@ Per save (numbered `seq`, the same on every rank; the keys are built in keys.py)
 
     save/<seq>/ws/<rank>    what replicated tensors this rank writes (its local-tier peers skip those bytes)
     save/<seq>/part/<rank>  its report after writing and fsyncing (rank_reports.RankPart), or its error
-    save/<seq>/manifest     rank 0's merged manifest, with rank 0's save() metrics (or nothing, if the step failed)
+    save/<seq>/manifest     rank 0's merged manifest, with rank 0's save() metrics (or nothing, if the step failed);
+                            zlib-compressed when other local tiers' leaders read it
     save/<seq>/committed/<rank>  with it, the step's digest and the files that rank wrote (format: CommittedStep.by_rank):
                             all that a rank which commits on no tier keeps of the step, so it neither reads nor
                             decodes the manifest (and no rank reads the whole file table: O(N), not O(N^2))
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from checkpointing.dist import keys
@@ -175,7 +177,9 @@ class StoreCoordinator:
         manifest, data, per_rank = merged
         self._per_rank_pending = sorted(per_rank)
         self._merged = (save.seq, manifest, data)
-        self.store.set(keys.save_manifest(save.seq), data)
+        # every other local tier's leader fetches it from rank 0's store: compressed, as the file table and
+        # the chunk references repeat themselves (a 10 MB manifest: 2 MB, 56 ms of zlib outside the GIL)
+        self.store.set(keys.save_manifest(save.seq), zlib.compress(data, 1) if len(self.leaders) > 1 else data)
         accounts = CommittedStep.of(manifest, manifest_digest(data)).by_rank()
         self.store.multi_set([keys.save_committed(save.seq, r) for r in range(self.world_size)], [encode_committed_step(a) for a in accounts])
         return True
@@ -209,10 +213,11 @@ class StoreCoordinator:
         if found == status_key:
             return None  # rank 0 gave its verdict without a manifest: the step failed
         mine = self._merged if self._merged is not None and self._merged[0] == save.seq else None  # rank 0 has it, decoded too
-        data = mine[2] if mine is not None else self.store.get(manifest_key)
+        published = None if mine is not None else self.store.get(manifest_key)
         decoded = mine[1] if mine is not None else None
-        digest = ""
+        data, digest = b"", ""
         try:
+            data = mine[2] if mine is not None else zlib.decompress(published)  # a leader other than rank 0: compressed (_merge)
             with gc_paused():  # another rank's leader decodes the manifest here (gcpause.py)
                 digest = catalog.commit_bytes(self.storage, save.step, data, save.token, decoded)
             ack: dict[str, Any] = {"ok": True}

@@ -26,7 +26,8 @@ log = logging.getLogger("checkpointing")
 class SaveStats:
     """What one save cost. Times in seconds, sizes in bytes.
 
-    wait_prev_s: save() waited for the previous save to finish writing.
+    wait_prev_s: save() waited for the previous save to finish writing (and for what the ckpt-io thread
+        does after it: retention, re-verification).
     stall_s: the training thread was blocked by this save (inside save(), after wait_prev_s, plus
         guard_wait_s); the loop's total blocked time is wait_prev_s + stall_s.
     guard_wait_s: the part of stall_s spent in the guard before the next optimizer.step().

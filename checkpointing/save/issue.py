@@ -68,7 +68,9 @@ class SaveIssuer:
         t0 = time.perf_counter()
         wall = time.time()
         naming.check_step(step)
-        wait_prev_s = time.perf_counter() - t0 if self._inflight.wait_previous() else 0.0
+        waited = self._inflight.wait_previous()
+        waited = self._worker.finish_previous() or waited  # its retention and re-verification, after its `done`
+        wait_prev_s = time.perf_counter() - t0 if waited else 0.0
         seq = self._seq
         self._seq += 1
         try:

@@ -24,11 +24,25 @@ class SerialThread(Generic[Item]):
         self._handle = handle
         self._cpu = cpu
         self._queue: queue.Queue[Item | None] = queue.Queue()
+        self._unfinished = 0  # items put and not yet handled
+        self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def put(self, item: Item) -> None:
+        with self._idle:
+            self._unfinished += 1
         self._queue.put(item)
+
+    def busy(self) -> bool:
+        """An item is running or queued."""
+        with self._idle:
+            return self._unfinished > 0
+
+    def wait_idle(self) -> None:
+        """Until every item put so far has been handled."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._unfinished == 0)
 
     def pending(self) -> bool:
         """Something is queued (an item, or close's stop) that waits for the current one."""
@@ -47,7 +61,12 @@ class SerialThread(Generic[Item]):
                 item = self._queue.get()
                 if item is None:
                     return
-                self._handle(item)
+                try:
+                    self._handle(item)
+                finally:
+                    with self._idle:
+                        self._unfinished -= 1
+                        self._idle.notify_all()
         finally:
             if self._cpu is not None:
                 self._cpu.leave()

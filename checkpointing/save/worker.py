@@ -154,9 +154,27 @@ class SaveWorker:
         self._write_block, self._incremental = write_block, incremental
         self._records, self._retention, self._uploader = records, retention, uploader
         self._base: ReuseBase | None = None
+        self._waited = threading.Event()  # save() waits for this thread to finish what it does after earlier saves
         self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run, cpu=self._cpu)
         self._scrub = Reverifier(storage, every=reverify_every if incremental else None, bytes_per_s=reverify_bytes_per_s,
-                                 busy=self._thread.pending)
+                                 busy=lambda: self._thread.pending() or self._waited.is_set())
+
+    def finish_previous(self) -> bool:
+        """Before a save is issued: let the thread finish what it still does after earlier saves'
+        `done` (retention, re-verification, which then reads only the chunks due now, at full
+        speed), at normal priority; whether there was any. The new save would wait for it anyway,
+        queued behind it: this way the wait is the previous save's (`wait_prev_s`), not the new
+        one's stall."""
+        if not self._thread.busy():
+            return False
+        self._waited.set()
+        self._cpu.hurry()
+        self._scrub.interrupt()
+        try:
+            self._thread.wait_idle()
+        finally:
+            self._waited.clear()
+        return True
 
     def submit(self, job: SaveJob) -> None:
         job.outcome.hurry = self._cpu.hurry
