@@ -16,9 +16,9 @@ import re
 from typing import Any
 
 from checkpointing.errors import ManifestError
+from checkpointing.format import json_pieces
 from checkpointing.format.dtypes import BY_NAME, itemsize
 from checkpointing.format.gcpause import gc_paused
-from checkpointing.format import json_pieces
 from checkpointing.format.handoff import handoff
 from checkpointing.format.manifest import (
     CHUNK_DIGEST,

@@ -4,9 +4,9 @@ Rank 0 merges every rank's report into the manifest on a background thread, a ti
 it, every rank encodes its report: at hundreds of ranks that is seconds of Python per save, all of
 it holding the GIL. CPython lets a thread that waits for the GIL force a switch only after the
 switch interval (5 ms), and a training thread takes the GIL back after every op it dispatches: it
-waited up to 5 ms per op while such a thread ran, even at SCHED_IDLE (bench/bench_yield.py: the
-0.7 GB transformer's loop thread slept 187 ms per step against 31 ms with the worker handing over
-every millisecond, and 7 ms with no worker). `handoff()` is called once per unit of such work (a
+waited up to 5 ms each time while such a thread ran, even at SCHED_IDLE (bench/bench_yield.py
+--model probe, docs/benchmarks.md: 3.8 ms on average while rank 0 merged 64 ranks' reports, 0.95 ms
+with the merge handing over every millisecond, 0.15 ms with no merge). `handoff()` is called once per unit of such work (a
 leaf, a shard, a tensor); at most once per millisecond per thread it releases the GIL for a moment
 (`time.sleep(0)`), so a thread that waits for it runs at once. With no thread waiting the cost is
 a clock read per call and a system call per millisecond.

@@ -62,13 +62,9 @@ def _object(text: str, i: int, scan: Callable[[str, int], tuple[Any, int]], spli
         else:
             value, i = scan(text, i)
         obj[key] = value  # a repeated key: the last one wins, as in json.loads
-        i = _ws(text, i)
-        if text[i] == ",":
-            i = _ws(text, i + 1)
-        elif text[i] == "}":
-            return obj, i + 1
-        else:
-            raise _Malformed
+        i, closed = _after_item(text, i, "}")
+        if closed:
+            return obj, i
 
 
 def _array(text: str, i: int, scan: Callable[[str, int], tuple[Any, int]]) -> tuple[list[Any], int]:
@@ -80,10 +76,16 @@ def _array(text: str, i: int, scan: Callable[[str, int], tuple[Any, int]]) -> tu
         handoff()
         value, i = scan(text, i)
         items.append(value)
-        i = _ws(text, i)
-        if text[i] == ",":
-            i = _ws(text, i + 1)
-        elif text[i] == "]":
-            return items, i + 1
-        else:
-            raise _Malformed
+        i, closed = _after_item(text, i, "]")
+        if closed:
+            return items, i
+
+
+def _after_item(text: str, i: int, close: str) -> tuple[int, bool]:
+    """Past the separator after an item and the whitespace after it (False), or past `close` (True)."""
+    i = _ws(text, i)
+    if text[i] == ",":
+        return _ws(text, i + 1), False
+    if text[i] == close:
+        return i + 1, True
+    raise _Malformed
