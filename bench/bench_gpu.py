@@ -25,6 +25,9 @@ Configs:
   ours    CheckpointManager.save(step, {"model", "optim", "step"}) (the default: async snapshot into
           pinned staging, incremental).
   ours_sd the same with model.state_dict() / optimizer.state_dict().
+  ours_noyield  `ours` with background_yield_s=None: the save's threads keep normal priority (not in
+          the default set: name it with --only; on a node whose CPUs wait for the GPU, yielding
+          should cost nothing; this says whether it does).
   dcp     torch.distributed.checkpoint.async_save (thread), its default staging (a blocking copy to
           host memory inside the call).
   dcp_pinned  async_save with a reused DefaultStager: pinned memory, async staging, non-blocking
@@ -70,6 +73,7 @@ from bench_core import TinyLM, init_gloo, shape_for, stager_closed  # noqa: E402
 GB = 1e9
 MiB = 1 << 20
 ALL = ["floor", "ours", "ours_sd", "dcp", "dcp_pinned"]
+KNOWN = ALL + ["ours_noyield"]
 
 
 def log(*a):
@@ -262,11 +266,12 @@ class FloorSaver:
 
 
 class OursSaver:
-    def __init__(self, tr, root, form: str):
+    def __init__(self, tr, root, form: str, yielding: bool = True):
         from checkpointing import CheckpointManager
         self.tr, self.root, self.form = tr, root, form
-        self.name = "ours: CheckpointManager.save" + (" (state_dict()s)" if form == "state_dict" else " (model, optimizer)")
-        self.mgr = CheckpointManager(root, keep_local=2)
+        self.name = ("ours: CheckpointManager.save" + (" (state_dict()s)" if form == "state_dict" else " (model, optimizer)")
+                     + ("" if yielding else ", background_yield_s=None"))
+        self.mgr = CheckpointManager(root, keep_local=2, **({} if yielding else {"background_yield_s": None}))
         self.recs: list = []
         self.handle = None
 
@@ -400,11 +405,13 @@ def make_saver(key, tr, root):
         return OursSaver(tr, root, "objects")
     if key == "ours_sd":
         return OursSaver(tr, root, "state_dict")
+    if key == "ours_noyield":
+        return OursSaver(tr, root, "objects", yielding=False)
     if key == "dcp":
         return DcpSaver(tr, root, pinned=False)
     if key == "dcp_pinned":
         return DcpSaver(tr, root, pinned=True)
-    raise SystemExit(f"unknown config {key!r}; known: {', '.join(ALL)}")
+    raise SystemExit(f"unknown config {key!r}; known: {', '.join(KNOWN)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,7 +496,7 @@ def run_config(key, tr, P, out) -> dict:
     saver.finish()
     res.update(recs=saver.recs, pairs=[{"save": p[True], "none": p[False]} for p in pairs])
     analyze(res, P.seed)
-    if key == "ours" or key == "ours_sd":
+    if key in ("ours", "ours_sd", "ours_noyield"):
         res["guard_wait_s"] = _mean([r.get("guard_wait_s") for r in res["recs"]])
         res["staging_bytes"] = saver.mgr.staging_bytes
         res["ok"] = all(r.get("ok") for r in res["recs"])
@@ -662,7 +669,7 @@ def markdown(res: dict) -> str:
         L.append(f"dcp_pinned: this torch closed the reused DefaultStager after each save (its table of copiers emptied), "
                  f"so the bench made a new one for each of {cf['dcp_pinned']['stagers_made']} saves: pinned buffers "
                  "were allocated per save.")
-    for key in ("ours", "ours_sd"):
+    for key in ("ours", "ours_sd", "ours_noyield"):
         if key in cf and "staging_bytes" in cf[key]:
             L.append(f"{key}: staging {cf[key]['staging_bytes']:,} B = {cf[key]['staging_bytes'] / nb:.3f}x the state; "
                      f"guard wait {f3(cf[key].get('guard_wait_s'))} s per save; every save ok: {cf[key].get('ok')}.")

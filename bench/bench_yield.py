@@ -28,7 +28,9 @@ late it runs again, which is how long it waited for the GIL (it needs almost no 
 busy core or a stolen one hardly delays it); the table then gives that delay's median and 99th
 percentile per phase. Its phase `save` has CheckpointManager save a `--save-gb` transformer + AdamW
 (bench_core.py) again and again, each as soon as the last is durable: how long a save's own threads
-keep the GIL from a thread that wants it.
+keep the GIL from a thread that wants it. `--blame MS` notes, at every wake later than MS ms, where
+each checkpoint thread not asleep on a lock or queue is (the innermost frames of its stack): the
+Python that held the GIL ended there (a call that releases it, handoff(), or the switch interval).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default=None, help="comma-separated subset of the phases (default: all of the model's)")
     p.add_argument("--merge", default="64x256", help="merge phase: rank 0's merge of RANKSxDTENSORS synthetic reports, again and again")
     p.add_argument("--save-gb", type=float, default=0.7, help="probe's save phase: a model + AdamW of this size, saved by CheckpointManager")
+    p.add_argument("--blame", type=float, default=None, metavar="MS",
+                   help="probe: when a wake is later than MS ms, note where the save's threads were (the Python that held the GIL ended there)")
     p.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"), help="for the write phase")
     P = p.parse_args(argv)
     if not hasattr(os, "SCHED_IDLE"):
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     late: dict[str, list[float]] = {}
     full_gcs: dict[str, list[float]] = {}
+    blamed: dict[tuple, list[float]] = {}
+    late_wakes: list[float] = []
     if P.model == "probe":
         saver = _saver(P.save_gb, P.dir) if "save" in phases else None
         import gc
@@ -98,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 time.sleep(0.0005)
                 mine.append(time.perf_counter() - t0 - 0.0005)
+                if P.blame is not None and mine[-1] * 1e3 > P.blame:
+                    late_wakes.append(mine[-1])
+                    _blame(blamed, mine[-1])
     elif P.model == "mlp":
         net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
         opt = torch.optim.SGD(net.parameters(), lr=1e-4)
@@ -198,10 +207,33 @@ def main(argv: list[str] | None = None) -> int:
             gcs = ", ".join(f"{d * 1e3:.0f}" for d in full_gcs.get(ph, [])) or "none"
             print(f"| {ph} | {sum(xs) / len(xs) * 1e3:.3f} ms | {xs[len(xs) // 2] * 1e3:.3f} ms | {xs[int(len(xs) * 0.99)] * 1e3:.2f} ms | "
                   f"{xs[-1] * 1e3:.1f} ms | {gcs} |")
+    if late_wakes:
+        print(f"\nWakes later than {P.blame} ms: {len(late_wakes)}, {sum(late_wakes) * 1e3:.0f} ms late in all. Where the checkpoint threads "
+              "not asleep on a lock or queue were then (innermost frame first; a wake may name several threads, or none), by the lateness:")
+        for where, xs in sorted(blamed.items(), key=lambda kv: -sum(kv[1]))[:25]:
+            print(f"  {sum(xs) * 1e3:7.1f} ms  {len(xs):5d} x  max {max(xs) * 1e3:5.1f}  {' < '.join(where)}")
     if P.json:
         with open(P.json, "w") as fh:
             json.dump({"threads": P.threads, "cpus": os.cpu_count(), "torch": torch.__version__, "phases": rows}, fh, indent=1)
     return 0
+
+
+_WAITING = ("threading.py", "queue.py")
+
+
+def _blame(blamed: dict[tuple, list[float]], late_s: float) -> None:
+    """Where each checkpoint thread is now that the probe has the GIL back: the innermost frames of
+    its stack (the GIL was released there: a C call that drops it, handoff(), or the switch interval)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, "")
+        if not name.startswith("ckpt") or os.path.basename(frame.f_code.co_filename) in _WAITING:
+            continue  # not a checkpoint thread, or one asleep on a lock, an event or a queue (it held no GIL)
+        where, f = [name], frame
+        while f is not None and len(where) < 5:
+            where.append(f"{f.f_code.co_name}@{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}")
+            f = f.f_back
+        blamed.setdefault(tuple(where), []).append(late_s)
 
 
 def _saver(size_gb: float, root: str):
