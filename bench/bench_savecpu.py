@@ -1,5 +1,5 @@
 """Where a save's CPU goes: the checkpoint threads' CPU time per save, split by what they do, beside
-the floors (memmove and xxh3 of the same bytes) measured in the same run.
+the floors of the same bytes (memmove, xxh3, the O_DIRECT write's CPU: bench_cost.py's) measured in the same run.
 
 bench_core.py's transformer + AdamW trains one step between saves (every byte of the state changes:
 dense training), and a CheckpointManager with its defaults saves after each step and waits for it.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import functools
 import os
 import statistics
@@ -27,12 +26,12 @@ import threading
 import time
 
 import torch
-import xxhash
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_core  # noqa: E402
+import bench_cost  # noqa: E402
 
 from checkpointing import CheckpointManager  # noqa: E402
 from checkpointing.dist import coordinator  # noqa: E402
@@ -111,35 +110,6 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
-def _floors(tensors: list[torch.Tensor]) -> dict[str, float]:
-    """memmove of the state into a reused buffer in 1 MiB pieces and one call per tensor, and xxh3-128 over it in 1 MiB chunks: CPU s."""
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    dst = torch.empty(total, dtype=torch.uint8)
-    dst.fill_(0)
-    view = memoryview(dst.numpy())
-    out = {}
-    for label, piece in (("memmove, 1 MiB pieces", 1 << 20), ("memmove, one call per tensor", None)):
-        best = float("inf")
-        for _ in range(3):
-            t0, at = time.thread_time(), 0
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                step = piece or n
-                for k in range(0, n, step):
-                    ctypes.memmove(dst.data_ptr() + at + k, t.data_ptr() + k, min(step, n - k))
-                at += n
-            best = min(best, time.thread_time() - t0)
-        out[label] = best
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.thread_time()
-        for k in range(0, total, 1 << 20):
-            xxhash.xxh3_128_digest(view[k : k + (1 << 20)])
-        best = min(best, time.thread_time() - t0)
-    out["xxh3-128, 1 MiB chunks"] = best
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-gb", type=float, default=0.7)
@@ -167,10 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     after = _thread_cpu()
     meter.on = False
     manager.close()
-    tensors = [t for t in list(trainer.model.parameters()) + [v for st in trainer.opt.state.values() for v in st.values()]
-               if isinstance(t, torch.Tensor) and t.numel() > 1]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    floors = _floors(tensors)
+    nbytes = trainer.state_bytes()
+    floors = bench_cost.measure_floors(trainer, argparse.Namespace(out=P.dir, write_block_mib=32, floor_reps=3))
     n = P.saves
     print(f"State {nbytes / 1e9:.3f} GB (bench_core transformer + AdamW), {n} saves measured, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     print("| thread | phase | CPU ms per save | calls per save |")
@@ -188,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|")
     for field in ("snapshot_s", "write_s", "commit_s", "total_s"):
         print(f"| {field} | {statistics.median(getattr(st, field) for st in stats) * 1e3:.1f} |")
-    print("\n| floor, the same bytes, one thread | CPU ms |")
+    print("\n| floor, the same bytes, one thread (bench_cost.py's) | CPU ms |")
     print("|---|---:|")
-    for label, cpu in floors.items():
-        print(f"| {label} | {cpu * 1e3:.1f} |")
+    for key, label in (("memcpy", "memmove, one call per tensor"), ("xxh3", "xxh3-128, 1 MiB chunks"), ("write_odirect", "O_DIRECT write + fsync, 32 MiB")):
+        print(f"| {label} | {floors[key]['cpu_s'] * 1e3:.1f} |")
+    print(f"| **floor core-seconds** (the three) | **{floors['core_s'] * 1e3:.1f}** |")
     return 0
 
 
