@@ -1,14 +1,17 @@
-"""Where a save's CPU goes: the checkpoint threads' CPU time per save, split by what they do, beside
-the floors of the same bytes (memmove, xxh3, the O_DIRECT write's CPU: bench_cost.py's) measured in the same run.
+"""Where a save's CPU goes: the checkpoint threads' CPU time per save, split by what they do,
+beside the floors of the same bytes (memmove, xxh3, the O_DIRECT write's CPU: bench_cost.py's),
+measured in the same run.
 
-bench_core.py's transformer + AdamW trains one step between saves (every byte of the state changes:
-dense training), and a CheckpointManager with its defaults saves after each step and waits for it.
-The functions of each phase are wrapped, in this process only, with a timer of the calling
-thread's CPU time (time.thread_time; about a microsecond per call, 787 calls per save for the per-chunk phases); each phase's time is exclusive (a phase nested in another is
-subtracted from it), and "other" is what no named phase covers. Threads: ckpt-io (staging, digests,
-the commit, retention) and ckpt-write (the write-behind of the pack, a thread per save); the table
-after it checks the phases against the kernel's count for the threads that live on. `background_yield_s=None`: the threads are not lowered, so that wall time and CPU
-time agree (the CPU a save costs does not depend on its priority).
+bench_core.py's transformer + AdamW trains one step between saves (every byte of the state
+changes: dense training), and a CheckpointManager saves after each step and waits for it. The
+functions of each phase are wrapped, in this process only, with a timer of the calling thread's
+CPU time (time.thread_time; about a microsecond per call, 787 calls per save for the per-chunk
+phases); each phase's time is exclusive (a phase nested in another is subtracted from it), and
+"other" is what no named phase covers. Threads: ckpt-io (staging, digests, the commit, retention)
+and ckpt-write (the write-behind of the pack, a thread per save); the table after it checks the
+phases against the kernel's count for the threads that live on. `background_yield_s=None`: the
+threads are not lowered, so that wall time and CPU time agree (the CPU a save costs does not depend
+on its priority).
 
     python bench/bench_savecpu.py [--size-gb 0.7] [--saves 8] [--dir DIR] [--no-incremental]
 """
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {field} | {statistics.median(getattr(st, field) for st in stats) * 1e3:.1f} |")
     print("\n| floor, the same bytes, one thread (bench_cost.py's) | CPU ms |")
     print("|---|---:|")
-    for key, label in (("memcpy", "memmove, one call per tensor"), ("xxh3", "xxh3-128, 1 MiB chunks"), ("write_odirect", "O_DIRECT write + fsync, 32 MiB")):
+    labels = {"memcpy": "memmove, one call per tensor", "xxh3": "xxh3-128, 1 MiB chunks", "write_odirect": "O_DIRECT write + fsync, 32 MiB"}
+    for key, label in labels.items():
         print(f"| {label} | {floors[key]['cpu_s'] * 1e3:.1f} |")
     print(f"| **floor core-seconds** (the three) | **{floors['core_s'] * 1e3:.1f}** |")
     return 0
