@@ -74,6 +74,7 @@ GB = 1e9
 MiB = 1 << 20
 ALL = ["floor", "ours", "ours_sd", "dcp", "dcp_pinned"]
 KNOWN = ALL + ["ours_noyield"]
+OURS = ("ours", "ours_sd", "ours_noyield")  # the configs that save with a CheckpointManager
 
 
 def log(*a):
@@ -496,7 +497,7 @@ def run_config(key, tr, P, out) -> dict:
     saver.finish()
     res.update(recs=saver.recs, pairs=[{"save": p[True], "none": p[False]} for p in pairs])
     analyze(res, P.seed)
-    if key in ("ours", "ours_sd", "ours_noyield"):
+    if key in OURS:
         res["guard_wait_s"] = _mean([r.get("guard_wait_s") for r in res["recs"]])
         res["staging_bytes"] = saver.mgr.staging_bytes
         res["ok"] = all(r.get("ok") for r in res["recs"])
@@ -669,7 +670,7 @@ def markdown(res: dict) -> str:
         L.append(f"dcp_pinned: this torch closed the reused DefaultStager after each save (its table of copiers emptied), "
                  f"so the bench made a new one for each of {cf['dcp_pinned']['stagers_made']} saves: pinned buffers "
                  "were allocated per save.")
-    for key in ("ours", "ours_sd", "ours_noyield"):
+    for key in OURS:
         if key in cf and "staging_bytes" in cf[key]:
             L.append(f"{key}: staging {cf[key]['staging_bytes']:,} B = {cf[key]['staging_bytes'] / nb:.3f}x the state; "
                      f"guard wait {f3(cf[key].get('guard_wait_s'))} s per save; every save ok: {cf[key].get('ok')}.")

@@ -6,10 +6,10 @@ it holding the GIL. CPython lets a thread that waits for the GIL force a switch 
 switch interval (5 ms), and a training thread takes the GIL back after every op it dispatches: it
 waited up to 5 ms each time while such a thread ran, even at SCHED_IDLE (bench/bench_yield.py
 --model probe, docs/benchmarks.md: 3.8 ms on average while rank 0 merged 64 ranks' reports, 0.95 ms
-with the merge handing over every millisecond, 0.15 ms with no merge). `handoff()` is called once per unit of such work (a
-leaf, a shard, a tensor); at most once per millisecond per thread it releases the GIL for a moment
-(`time.sleep(0)`), so a thread that waits for it runs at once. With no thread waiting the cost is
-a clock read per call and a system call per millisecond.
+with the merge handing over every millisecond, 0.15 ms with no merge). `handoff()` is called once
+per unit of such work (a leaf, a shard, a tensor); at most once per millisecond per thread it
+releases the GIL for a moment (`time.sleep(0)`), so a thread that waits for it runs at once. With
+no thread waiting the cost is a clock read per call and a system call per millisecond.
 """
 
 from __future__ import annotations
