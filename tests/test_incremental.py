@@ -6,6 +6,7 @@ against clones taken when the step was saved."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -631,6 +633,34 @@ def _open_beside_gc(ck: Path) -> CheckpointManager:
     return CheckpointManager(ck, keep_local=2, chunk_bytes=64 << 10)
 
 
+@contextlib.contextmanager
+def _collector_beside(ck: Path, problems: list[str]) -> Iterator[None]:
+    """GC_CHILD collecting `ck` in a tight loop while the body runs; its failure goes to `problems`."""
+    logs = ck.parent
+    ready, stop = logs / "ready", logs / "stop"
+    out, err = open(logs / "collect.out", "w+"), open(logs / "collect.err", "w+")
+    child = subprocess.Popen([sys.executable, "-c", GC_CHILD, str(ck), str(ready), str(stop)],
+                             env=child_env(), stdout=out, stderr=err)
+    try:
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert child.poll() is None and time.monotonic() - t0 < 60, "the gc process did not start"
+            time.sleep(0.05)
+        yield
+        stop.touch()
+        child.wait(timeout=60)
+    finally:
+        stop.touch()
+        if child.poll() is None:
+            child.wait(timeout=60)
+        out.seek(0), err.seek(0)
+        child_out, child_err = out.read(), err.read()
+        out.close(), err.close()
+    assert "ROUNDS" in child_out, child_out + child_err
+    if child.returncode != 0:
+        problems.append(f"the gc process failed ({child_out.splitlines()[-1]}); its first error:\n{child_err[:2500]}")
+
+
 def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
     """A training loop saves every step (keep_local=2: the manager retires steps too) while another
     process collects and retires (keep 2) in a tight loop (the reference-safe protocol of tier/collect.py,
@@ -638,17 +668,9 @@ def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     storage = LocalStorage(ck, direct=False)
-    ready, stop = tmp_path / "ready", tmp_path / "stop"
-    out, err = open(tmp_path / "collect.out", "w+"), open(tmp_path / "collect.err", "w+")
-    child = subprocess.Popen([sys.executable, "-c", GC_CHILD, str(ck), str(ready), str(stop)],
-                             env=child_env(), stdout=out, stderr=err)
     problems: list[str] = []
     snaps = {}
-    try:
-        t0 = time.monotonic()
-        while not ready.exists():
-            assert child.poll() is None and time.monotonic() - t0 < 60, "the gc process did not start"
-            time.sleep(0.05)
+    with _collector_beside(ck, problems):
         net, opt = frozen_run()
         gen = torch.Generator().manual_seed(0)
         with _open_beside_gc(ck) as mgr:
@@ -677,28 +699,67 @@ def test_concurrent_gc_process_never_leaves_a_committed_step_dangling(tmp_path):
                 mgr.wait()
             except CheckpointSaveError as exc:
                 problems.append(str(exc))
-            stop.touch()
-            child.wait(timeout=60)
-            final = committed(storage)
-            assert final, "no committed step left"
-            for s in final:
-                report = verify_step(storage, s)
-                if not report.ok:
-                    problems.append(f"committed step {s} is damaged after the run: {report.problems[:2]}")
-                    continue
-                restore_and_check(mgr, s, snaps)
-    finally:
-        stop.touch()
-        if child.poll() is None:
-            child.wait(timeout=60)
-        out.seek(0), err.seek(0)
-        child_out, child_err = out.read(), err.read()
-        out.close(), err.close()
-    assert "ROUNDS" in child_out, child_out + child_err
-    if child.returncode != 0:
-        problems.append(f"the gc process failed ({child_out.splitlines()[-1]}); its first error:\n{child_err[:2500]}")
+    with CheckpointManager(ck, keep_local=2) as mgr:
+        final = committed(storage)
+        assert final, "no committed step left"
+        for s in final:
+            report = verify_step(storage, s)
+            if not report.ok:
+                problems.append(f"committed step {s} is damaged after the run: {report.problems[:2]}")
+                continue
+            restore_and_check(mgr, s, snaps)
     assert step >= 10
     assert not problems, f"{step} saves with a collector running beside them:\n" + "\n".join(dict.fromkeys(problems))
+
+
+def test_a_step_directory_just_made_is_left_for_its_pin(tmp_path, run_cli):
+    """A writer makes step-N/ and then writes its pin there: a collector that finds the directory
+    empty leaves it while it is young; one it empties itself (a crashed save's file) goes at once."""
+    ck = tmp_path / "ck"
+    storage = LocalStorage(ck, direct=False)
+    (ck / step_dir_name(7)).mkdir(parents=True)
+    (ck / step_dir_name(8)).mkdir()
+    (ck / step_dir_name(8) / "r00000.0123456789ab.pack").write_bytes(b"x" * 100)
+    collect.collect(storage, min_age_s=0)
+    assert (ck / step_dir_name(7)).is_dir()
+    assert not (ck / step_dir_name(8)).exists()
+    code, out = run_cli("gc", str(ck), "--min-age-s", "0")
+    assert code == 0 and (ck / step_dir_name(7)).is_dir(), out
+    old = time.time() - collect.EMPTY_DIR_GRACE_S - 5
+    os.utime(ck / step_dir_name(7), (old, old))
+    collect.collect(storage, min_age_s=0)
+    assert not (ck / step_dir_name(7)).exists()
+
+
+def test_saves_whose_step_directory_waits_before_its_pin_survive_a_collector(tmp_path, monkeypatch):
+    """The moment between making step-N/ and writing the pin in it, stretched (a writer thread paused
+    there: a slow directory fsync, a busy CPU) while another process collects in a tight loop: every
+    save commits, none fails because its new directory was removed under it."""
+    original = LocalStorage._step_into
+
+    def paused(self, fd, part, rel, create):
+        made = create and part.startswith("step-") and part not in os.listdir(fd)
+        opened = original(self, fd, part, rel, create)
+        if made:
+            time.sleep(0.02)  # ~10 rounds of the collector
+        return opened
+
+    monkeypatch.setattr(LocalStorage, "_step_into", paused)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    problems: list[str] = []
+    net, opt = frozen_run()
+    gen = torch.Generator().manual_seed(0)
+    with _collector_beside(ck, problems), _open_beside_gc(ck) as mgr:
+        for step in range(1, 16):
+            train_step(net, opt, gen)
+            try:
+                mgr.save(step, state_of(net, opt, step)).wait()
+            except CheckpointSaveError as exc:
+                problems.append(str(exc))
+        final = committed(LocalStorage(ck, direct=False))
+    assert final and final[-1] == 15
+    assert not problems, f"{len(problems)} of 15 saves failed:\n" + "\n".join(problems[:3])
 
 
 def test_a_pin_protects_an_old_file_until_it_is_removed(tmp_path, run_cli):
@@ -728,7 +789,14 @@ def test_a_pin_protects_an_old_file_until_it_is_removed(tmp_path, run_cli):
     pins.remove_pin(storage, pin)  # the save failed (or committed without using step 1)
     result = collect.collect(storage)
     assert {g.path for g in result.garbage} == {old}
-    assert files_on_disk(ck) == set() and not list(ck.glob("step-*"))
+    assert files_on_disk(ck) == set() and not (ck / step_dir_name(1)).exists()
+    # the failed save's directory, empty when the collector came, may be a writer's about to pin: it
+    # stays until it is older than EMPTY_DIR_GRACE_S
+    assert [p.name for p in ck.glob("step-*")] == [step_dir_name(2)]
+    old_time = time.time() - collect.EMPTY_DIR_GRACE_S - 5
+    os.utime(ck / step_dir_name(2), (old_time, old_time))
+    collect.collect(storage)
+    assert not list(ck.glob("step-*"))
 
     # a crashed writer's pin (older than --pin-ttl-s) protects nothing
     with CheckpointManager(ck, keep_local=None) as mgr:

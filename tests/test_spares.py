@@ -40,11 +40,15 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> Non
 
 
 def _packs(root) -> dict[int, tuple[int, int]]:
-    """step -> (inode, size) of its pack file."""
+    """step -> (inode, size) of its pack file. A handle's wait() returns once its step is durable,
+    while the files of the steps its retention retired may still be going: those may vanish here."""
     out = {}
     for path in glob.glob(f"{root}/step-*/*.pack"):
         step = naming.parse_step_dir(os.path.basename(os.path.dirname(path)))
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
         out[step] = (st.st_ino, st.st_size)
     return out
 

@@ -19,6 +19,11 @@ Why it is safe: a file listed in G2 in a pinned directory was created after its 
 file), so G3 sees the pin, or the writer committed before G3 and G4 sees the step. A save whose pin G3 missed pinned after G3, so it confirmed its base
 after G1: it either sees the base retired and takes nothing from it, or the base was not being
 retired and G4 finds it committed, with every file it references.
+
+One moment precedes W1: the writer makes the step's directory, then its pin in it. A directory G2
+found empty may be that one, so it is removed only once it is older than EMPTY_DIR_GRACE_S (an
+empty directory holds no bytes), unless every pin is taken for dead (a writer tidying at start);
+one this collector emptied itself goes at once.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from checkpointing.storage import Storage
 from checkpointing.tier.pins import PIN_PREFIX, read_pin
 
 log = logging.getLogger("checkpointing")
+
+# an empty step directory younger than this may be a writer's, about to receive its pin (above)
+EMPTY_DIR_GRACE_S = 60.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Garbage:
@@ -128,6 +137,19 @@ class _Ages:
         """Younger than min_age_s: it may belong to a writer that pins nothing."""
         a = self.age(path) if self.min_age_s > 0 else None
         return a is not None and a < self.min_age_s
+
+    def just_made(self, path: str) -> bool:
+        """A directory younger than EMPTY_DIR_GRACE_S (an empty step directory: maybe a writer's, its
+        pin to come); a stray object of that name is not one. With pin_ttl_s <= 0 (a writer tidying
+        at start: every pin is a crashed save's) no writer is making one."""
+        if self.pin_ttl_s is not None and self.pin_ttl_s <= 0:
+            return False
+        try:
+            self.storage.size(path)
+            return False
+        except OSError:  # a directory (or gone)
+            a = self.age(path)
+        return a is not None and a < EMPTY_DIR_GRACE_S
 
     def dead(self, pin: str) -> bool:
         """A crashed writer's pin: older than pin_ttl_s (with pin_ttl_s <= 0, every pin)."""
@@ -231,7 +253,7 @@ class _Sweep:
 
     def uncommitted_step(self, step: int, names: list[str], reason: str, dead_pins: list[str]) -> None:
         """The files G2 listed in an uncommitted, unpinned step (manifest first, then pins, then data);
-        its directory too once nothing is left in it."""
+        its directory too once nothing is left in it (one G2 found empty: once it is not just made)."""
         sdir = naming.step_dir(step)
         kept = 0
         ordered = sorted(names, key=lambda n: (not n.startswith("manifest."), not n.startswith(PIN_PREFIX), n))
@@ -243,7 +265,7 @@ class _Sweep:
             self.drop(path, reason if path not in dead_pins else "pin of a crashed save")
         if kept:
             self.out.kept[step] = kept
-        elif not self.dry_run and not self.ages.young(sdir):
+        elif not self.dry_run and not self.ages.young(sdir) and (names or not self.ages.just_made(sdir)):
             self.storage.remove_dir(sdir)
 
     def spares(self) -> None:
