@@ -260,6 +260,8 @@ class SaveWorker:
             elif exc is not outcome.error:
                 log.error("checkpointing: rank %d, step %d: %s", self._coord.rank, job.step, exc)
         pins.remove_pin(self._storage, outcome.pin)  # committed (the manifest protects its files now) or failed
+        if outcome.error is not None:
+            pins.remove_failed_step_dir(self._storage, job.step)
         job.staging.release()
         if outcome.error is None:
             self._retention.after_commit(job.step)

@@ -44,6 +44,22 @@ def remove_pin(storage: Storage, path: str | None) -> None:
         log.warning("checkpointing: could not remove the pin %s/%s: %s", storage.url, path, exc)
 
 
+def remove_failed_step_dir(storage: Storage, step: int) -> None:
+    """After a failed save removed its files and its pin: the step's directory, if it is one and
+    nothing is left in it (another rank's files, or a committed step's, keep it). Collectors leave
+    an empty step directory alone for a while (a writer's, about to be pinned: collect.py); its
+    own writer knows it is done with it. A file of that name is not touched."""
+    path = naming.step_dir(step)
+    try:
+        storage.size(path)
+        return  # an object of that name: not a directory this save made
+    except FileNotFoundError:  # a directory (or gone)
+        pass
+    except OSError:
+        return
+    storage.remove_dir(path)
+
+
 def read_pin(storage: Storage, path: str) -> list[str]:
     """The files a pin protects; ManifestError when it cannot be read (then nothing may be collected)."""
     where = f"{storage.url}/{path}"
