@@ -647,8 +647,6 @@ def _collector_beside(ck: Path, problems: list[str]) -> Iterator[None]:
             assert child.poll() is None and time.monotonic() - t0 < 60, "the gc process did not start"
             time.sleep(0.05)
         yield
-        stop.touch()
-        child.wait(timeout=60)
     finally:
         stop.touch()
         if child.poll() is None:
