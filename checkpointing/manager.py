@@ -1,34 +1,32 @@
 """CheckpointManager: the public entry point (orchestration only: it composes the objects that do the work).
 
-Threads: the training thread calls save()/restore()/wait(); one background I/O thread per manager
-runs each save (stage -> write -> commit -> retention -> metrics). Saves run one at a time: a save
-requested while the previous one still writes waits for it (reported as wait_prev_s), because both
-would share the one staging pool. The guard (a global optimizer step pre-hook) blocks the next
-optimizer.step() until the snapshot no longer reads live parameters or optimizer state.
+Threads: the training thread calls save()/restore()/wait(); one background I/O thread per manager runs each save (stage -> write
+-> commit -> retention -> metrics). Saves run one at a time: a save requested while the previous one still writes waits for it
+(reported as wait_prev_s), because both would share the one staging pool. The guard (a global optimizer step pre-hook) blocks the
+next optimizer.step() until the snapshot no longer reads live parameters or optimizer state.
 
-Across ranks (a torch.distributed process group of more than one rank), every rank writes its own
-shards to its local tier and the coordinator (dist/store_coordinator.py) commits the step through the
-store; construction, restore() and delete() are collective calls, save() is not (it never waits on another rank).
+Across ranks (a torch.distributed process group of more than one rank), every rank writes its own shards to its local tier and the
+coordinator (dist/store_coordinator.py) commits the step through the store; construction, restore() and delete() are collective
+calls, save() is not (it never waits on another rank).
 
-The objects it composes: SaveIssuer (save/issue.py) makes each save on the training thread, and
-InFlight (save/inflight.py) holds those not yet reported; SaveWorker (save/worker.py) runs them on
-the ckpt-io thread, SaveRecords (save/records.py) records each finished one. With a remote tier
-(remote=...), the Uploader (save/uploader.py) uploads each step on a second background thread once
-it is committed locally. save() does not wait for that upload, only for the one before it: at most
-one step uploads while the next one is written, so a link slower than the checkpoint interval
-shows up as wait_prev_s instead of an unbounded backlog of local steps. handle.wait() and wait()
-return once a step is durable on every tier.
+The objects it composes: SaveIssuer (save/issue.py) makes each save on the training thread, and InFlight (save/inflight.py) holds
+those not yet reported; SaveWorker (save/worker.py) runs them on the ckpt-io thread, SaveRecords (save/records.py) records each
+finished one. With a remote tier (remote=...), the Uploader (save/uploader.py) uploads each step on a second background thread
+once it is committed locally. save() does not wait for that upload, only for the one before it: at most one step uploads while the
+next one is written, so a link slower than the checkpoint interval shows up as wait_prev_s instead of an unbounded backlog of
+local steps. handle.wait() and wait() return once a step is durable on every tier.
 
-Observability and the loop (training/loop.py, observe/accounting.py): optimizer.step() or
-mgr.step() marks steps; each save's record is completed with what it cost the loop once the steps
-during its background work have ended, and written by a "ckpt-metrics" thread that also runs the
-on_metrics callback. With handle_preemption() a "ckpt-preempt" watchdog thread ends the process if
-the grace period runs out.
+Observability and the loop (training/loop.py, observe/accounting.py): optimizer.step() or mgr.step() marks steps; each save's
+record is completed with what it cost the loop once the steps during its background work have ended, and written by a
+"ckpt-metrics" thread that also runs the on_metrics callback. With handle_preemption() a "ckpt-preempt" watchdog thread ends the
+process if the grace period runs out.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import itertools
 import logging
 import os
 import signal
@@ -50,7 +48,7 @@ from checkpointing.options import DEFAULT_CHUNK_BYTES, DEFAULT_YIELD_S, ChangeDe
 from checkpointing.peer.node import open_peers
 from checkpointing.plan.retention import RetentionPolicy, tier_states
 from checkpointing.plan.schedule import SaveSchedule
-from checkpointing.restore.planner import execute
+from checkpointing.restore.attempt import restore_clean
 from checkpointing.restore.selection import Selection
 from checkpointing.restore.step_choice import choose_step
 from checkpointing.save.handle import SaveHandle
@@ -132,6 +130,7 @@ class CheckpointManager:
         self.rank = self._coord.rank
         self.world_size = self._coord.world_size
         self._closed = False
+        self._restore_calls = itertools.count()  # names each restore's exchange between the ranks (restore/attempt.py)
         # the leader rank of each local tier takes its writer lock and tidies it, before anyone writes there
         self._lock = NotHeld() if read_only else start_writing(self._coord, self.directory, tidy=lambda: collect.remove_incomplete(self.storage))
         self._peers = open_peers(self.options, self.storage, self._coord, release=self._lock.release)  # peer copies: checkpointing/peer/
@@ -225,20 +224,21 @@ class CheckpointManager:
         patterns over the keys ("model", "optim/*"): restore just those (the rest of `state` keeps
         its values; a pattern matching nothing is an error). Names that differ only by wrappers
         (torch.compile's `_orig_mod.`) match, and an object and its state_dict() restore into each other.
+        Every byte is verified before anything is applied; with step=None a step whose data is damaged
+        on every copy is passed over for the next older one (a warning names it; restore/attempt.py).
         """
         self._check_open()
         self._inflight.wait_local()
         remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())
         if remote is None and not self._coord.tiers[self.rank]:  # read-only, no TIER file: it holds every primary copy
             remote, remote_steps = self.storage, set(catalog.list_steps(self.storage).committed)
-        chosen, plans = choose_step(state, step, Selection.of(strict, only, exclude), local=self.storage, remote=remote, remote_steps=remote_steps,
-                                    coord=self._coord, codecs=self.options.codecs, replicas=self._peers.before_restore(step, remote_steps))
-        if chosen is None:
-            return None
-        plan, sources = plans[chosen]
+        choose = functools.partial(choose_step, state, step, Selection.of(strict, only, exclude), local=self.storage, remote=remote, remote_steps=remote_steps,
+                                   coord=self._coord, codecs=self.options.codecs, replicas=self._peers.before_restore(step, remote_steps))
         t0 = time.perf_counter()
-        self._worker.drop_base()  # a restore that fails (damage found) leaves no base for the next save
-        execute(plan, state, sources)
+        chosen, sources = restore_clean(state, step, choose, self._coord, name=f"restore-read-{next(self._restore_calls)}",
+                                        before_read=self._worker.drop_base)  # a failed restore leaves no base for the next save
+        if chosen is None or sources is None:
+            return None
         if self.options.incremental:  # the next save writes only what changed since this step (all, if damaged here)
             self._worker.use_restored(chosen, clean=not sources.fallbacks)
         log.info("checkpointing: rank %d restored step %d in %.3f s: %s", self.rank, chosen, time.perf_counter() - t0,

@@ -87,6 +87,9 @@ class LocalCoordinator:
         if error is not None:
             raise CheckpointError(error)
 
+    def errors_at(self, name: str, error: str | None = None) -> dict[int, str]:
+        return {} if error is None else {0: error}
+
     def agree_restore(self, readable: list[int], note: str, requested: int | None, error: str | None = None) -> int | None:
         return agreed_step([RestoreView(readable, note, error)], requested)
 

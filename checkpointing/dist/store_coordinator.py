@@ -255,14 +255,17 @@ class StoreCoordinator:
         views = [set(json.loads(v)) for v in self.store.multi_get(resume_keys)]
         return sorted(set.intersection(*views))
 
-    @store_errors
     def barrier(self, name: str, error: str | None = None) -> None:
+        failed = self.errors_at(name, error)
+        if failed:
+            raise CheckpointError(group_by_cause(failed))
+
+    @store_errors
+    def errors_at(self, name: str, error: str | None = None) -> dict[int, str]:
         self.store.set(keys.barrier(name, self.rank), b"1" if error is None else ("!" + error).encode())
         arrived = [keys.barrier(name, r) for r in range(self.world_size)]
         self._wait(arrived, time.monotonic() + self.timeout_s, f"waiting for every rank ({name})")
-        failed = {r: v[1:].decode("utf-8", "replace") for r, v in enumerate(self.store.multi_get(arrived)) if v.startswith(b"!")}
-        if failed:
-            raise CheckpointError(group_by_cause(failed))
+        return {r: v[1:].decode("utf-8", "replace") for r, v in enumerate(self.store.multi_get(arrived)) if v.startswith(b"!")}
 
     def close(self) -> None:
         """Wait until every rank is done with the store (its server may live in rank 0's process)."""

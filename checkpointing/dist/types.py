@@ -123,6 +123,10 @@ class Coordinator(Exchange, Protocol):
         """Wait for every rank; `error` (this rank cannot go on): every rank raises CheckpointError naming it."""
         ...
 
+    def errors_at(self, name: str, error: str | None = None) -> dict[int, str]:
+        """Wait for every rank; every rank's `error` at this point (rank -> message; empty: none had one)."""
+        ...
+
     def agree_restore(self, readable: list[int], note: str, requested: int | None, error: str | None = None) -> int | None:
         """The newest step every rank can read (or check `requested`); the error names who cannot."""
         ...

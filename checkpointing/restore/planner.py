@@ -335,10 +335,27 @@ def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, 
 
 def execute(plan: RestorePlan, state: MutableMapping, sources: Sources) -> None:
     """Read every planned tensor (verified), then apply the loads and values."""
+    read_all(plan, sources)
+    apply(plan, state)
+
+
+def read_all(plan: RestorePlan, sources: Sources) -> None:
+    """Read every planned tensor into its target, each chunk verified (CheckpointCorruptError when
+    no copy of one reads clean: the targets read until then hold the step's bytes)."""
     reads = sorted(plan.reads, key=_read_order)
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckpt-read") as pool:
-        for fut in [pool.submit(read_box, sources, plan.manifest.step, r) for r in reads]:
-            fut.result()
+        futures = [pool.submit(read_box, sources, plan.manifest.step, r) for r in reads]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()  # the reads not started yet: this step is not going to be restored
+            raise
+
+
+def apply(plan: RestorePlan, state: MutableMapping) -> None:
+    """After read_all: load_state_dict() on stateful objects, the primitives into the user's containers."""
     for load in plan.loads:
         load()
     for key, value in plan.values.items():

@@ -50,9 +50,11 @@ def choose_step(
     coord: Coordinator,
     codecs: tuple[Codec, ...],
     replicas: Mapping[str, Storage] | None = None,
+    below: int | None = None,
 ) -> tuple[int | None, dict[int, tuple[RestorePlan, Sources]]]:
-    """The step to restore (None: nothing committed) and, per readable step, its plan and sources."""
-    found = _readable_steps(state, step, strict, _Tiers(local, remote, frozenset(remote_steps), coord, codecs, dict(replicas or {})))
+    """The step to restore (None: nothing committed) and, per readable step, its plan and sources.
+    `below`: only steps older than it (a newer one's data turned out damaged on every copy)."""
+    found = _readable_steps(state, step, strict, _Tiers(local, remote, frozenset(remote_steps), coord, codecs, dict(replicas or {})), below)
     plans, error = found.plans, found.error
     if coord.world_size == 1:
         if error is not None:
@@ -102,14 +104,14 @@ class _Tiers:
     replicas: dict[str, Storage] = dataclasses.field(default_factory=dict)  # peer copies on this node's disk, by source tier
 
 
-def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | Selection, tiers: _Tiers) -> _Readable:
+def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | Selection, tiers: _Tiers, below: int | None = None) -> _Readable:
     """Plan the candidates, newest first (only `step` when given); with one rank and no `step`, stop at the first readable one."""
     local, remote, remote_steps, coord, codecs = tiers.local, tiers.remote, tiers.remote_steps, tiers.coord, tiers.codecs
     rank, world_size = coord.rank, coord.world_size
     local_steps = set(catalog.list_steps(local).committed)
     replica_steps = {t: set(catalog.list_steps(r).committed) for t, r in tiers.replicas.items()}
     committed = local_steps | remote_steps | set().union(*replica_steps.values())
-    candidates = [step] if step is not None else sorted(committed, reverse=True)
+    candidates = [step] if step is not None else sorted((s for s in committed if below is None or s < below), reverse=True)
     peers = " or a peer copy on its node" if tiers.replicas else ""
     where = f"its local tier {local.url}{peers}" + (f" or the remote tier {remote.url}" if remote is not None else "")
     found = _Readable(notes=[] if committed else [f"{where} holds no committed step"])

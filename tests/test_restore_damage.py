@@ -1,0 +1,164 @@
+"""A step whose data turns out damaged while it is read into the live objects (restore/attempt.py).
+
+Targets are filled in place and each chunk is verified as it lands, so damage is found after some
+targets already hold the step's bytes. restore() with step=None then restores the next older step
+that reads clean on every rank (overwriting every target again); with a requested step, or with no
+older step left, it raises CheckpointCorruptError saying the targets were overwritten, and applies
+nothing (no load_state_dict, no primitives).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _dist import run_ranks
+from hostile import flip_bits
+from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager
+from checkpointing.storage import LocalStorage
+from checkpointing.tier import catalog
+
+
+def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64))
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+def _train(net: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+    net(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _snapshot(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in net.state_dict().items()}
+    for i, st in opt.state_dict()["state"].items():
+        out.update({f"optim/{i}/{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def _save_two_steps(ck: Path, *, rank: int = 0, **kw) -> dict[int, dict]:
+    """Steps 1 and 2 of a short run, each written whole (incremental=False: no chunk shared); what each held."""
+    net, opt = _model(rank)
+    snaps = {}
+    with CheckpointManager(ck, keep_local=None, incremental=False, **kw) as mgr:
+        for step in (1, 2):
+            _train(net, opt, step)
+            mgr.save(step, {"model": net, "optim": opt, "progress": {"step": step}}).wait()
+            snaps[step] = _snapshot(net, opt)
+    return snaps
+
+
+def _damage(ck: Path, step: int, rank: int = 0) -> str:
+    """Flip a bit in the last model chunk of rank `rank`'s pack of `step` (what a rotting disk does); the file.
+    Model tensors differ between the ranks here; the optimizer's step counts are equal, stored once."""
+    manifest = catalog.load_manifest(LocalStorage(ck, direct=False), step)
+    owner = {f.path: f.rank for f in manifest.files}
+    refs = [c for t in manifest.tensors if t.key.startswith("model/") for s in t.shards for c in s.chunks if owner[c.file] == rank]
+    victim = max(refs, key=lambda c: (c.file, c.offset))
+    flip_bits(ck / victim.file, victim.offset + victim.length // 2)
+    return victim.file
+
+
+def _fresh_state(seed: int = 99) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
+    net, opt = _model(seed)
+    _train(net, opt, 0)  # the optimizer has state to overwrite
+    return {"model": net, "optim": opt, "progress": {"step": -1}}, net, opt
+
+
+def test_newest_step_damaged_restores_the_one_before_it_whole(tmp_path, caplog):
+    ck = tmp_path / "ck"
+    snaps = _save_two_steps(ck)
+    _damage(ck, 2)
+    state, net, opt = _fresh_state()
+    with caplog.at_level(logging.WARNING, logger="checkpointing"), CheckpointManager(ck, keep_local=None) as mgr:
+        assert mgr.restore(state) == 1
+    got = _snapshot(net, opt)
+    assert sorted(got) == sorted(snaps[1])
+    for k, v in snaps[1].items():
+        assert torch.equal(got[k], v), f"{k} does not hold step 1's value after the fallback"
+    assert state["progress"] == {"step": 1}
+    assert any("step 2" in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_requested_damaged_step_raises_and_applies_nothing(tmp_path):
+    ck = tmp_path / "ck"
+    _save_two_steps(ck)
+    damaged = _damage(ck, 2)
+    state, net, opt = _fresh_state()
+    opt.param_groups[0]["lr"] = 0.5  # step 2 holds 1e-2: applied only by load_state_dict, after every read passed
+    with CheckpointManager(ck, keep_local=None) as mgr, pytest.raises(CheckpointCorruptError) as err:
+        mgr.restore(state, step=2)
+    msg = str(err.value)
+    assert "step 2" in msg and Path(damaged).name in msg, msg
+    assert "overwritten" in msg and "do not train on them" in msg, msg
+    # nothing was applied: the primitives and what load_state_dict() sets are as they were
+    assert state["progress"] == {"step": -1}
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_every_step_damaged_raises_naming_the_newest(tmp_path):
+    ck = tmp_path / "ck"
+    _save_two_steps(ck)
+    _damage(ck, 2)
+    _damage(ck, 1)
+    state, _, _ = _fresh_state()
+    with CheckpointManager(ck, keep_local=None) as mgr, pytest.raises(CheckpointCorruptError) as err:
+        mgr.restore(state)
+    msg = str(err.value)
+    assert "step 1" in msg and "No older step" in msg and "do not train on them" in msg, msg
+    assert state["progress"] == {"step": -1}
+
+
+def test_a_damaged_local_copy_is_read_from_the_remote_tier_without_falling_back(tmp_path):
+    """Damage that another copy covers is not damage to the step: step 2 comes whole from file://."""
+    ck, remote = tmp_path / "ck", tmp_path / "remote"
+    snaps = _save_two_steps(ck, remote=f"file://{remote}")
+    _damage(ck, 2)
+    state, net, opt = _fresh_state()
+    with CheckpointManager(ck, keep_local=None, remote=f"file://{remote}") as mgr:
+        assert mgr.restore(state) == 2
+    got = _snapshot(net, opt)
+    for k, v in snaps[2].items():
+        assert torch.equal(got[k], v), k
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def _two_rank_save(rank: int, world: int, directory: str) -> dict:
+    return _save_two_steps(Path(directory), rank=rank)
+
+
+def _two_rank_restore(rank: int, world: int, directory: str, step: int | None) -> tuple:
+    state, net, opt = _fresh_state(seed=50 + rank)
+    with CheckpointManager(directory, keep_local=None) as mgr:
+        try:
+            got = mgr.restore(state, step=step)
+        except CheckpointError as exc:
+            return "error", type(exc).__name__, str(exc), state["progress"]
+    return "ok", got, _snapshot(net, opt), state["progress"]
+
+
+def test_two_ranks_fall_back_together_when_one_rank_finds_damage(tmp_path):
+    ck = tmp_path / "ck"
+    snaps = run_ranks(_two_rank_save, 2, str(ck), tmp=tmp_path)
+    _damage(ck, 2, rank=1)  # only rank 1's data of step 2: rank 0 reads its own part clean
+    results = run_ranks(_two_rank_restore, 2, str(ck), None, tmp=tmp_path)
+    for rank, (status, step, got, progress) in enumerate(results):
+        assert (status, step, progress) == ("ok", 1, {"step": 1}), (rank, status, step)
+        for k, v in snaps[rank][1].items():
+            assert torch.equal(got[k], v), f"rank {rank}: {k} is not step 1's"
+    # asked for step 2 by name: every rank raises, rank 0 included, and applies nothing
+    results = run_ranks(_two_rank_restore, 2, str(ck), 2, tmp=tmp_path)
+    for rank, (status, kind, msg, progress) in enumerate(results):
+        assert (status, kind, progress) == ("error", "CheckpointCorruptError", {"step": -1}), (rank, kind, msg)
+        assert "step 2" in msg and "overwritten" in msg, msg
+        if rank == 0:
+            assert "rank 1" in msg, msg  # rank 0 read its part clean: the message says who found the damage
