@@ -123,7 +123,7 @@ class CheckpointManager:
             interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics, read_only=read_only, peer_copies=peer_copies, peer_bandwidth=peer_bandwidth,
         )
         group = resolve_group(process_group)
-        self.remote_storage: FsspecStorage | None = open_remote_tier(self.options)
+        self.remote_storage: FsspecStorage | None = open_remote_tier(self.options, local_dir)
         self.storage = open_local_tier(local_dir, read_only=read_only, direct=direct_io, fsync=fsync, remote=remote is not None)
         self.directory = self.storage.root
         self._coord: Coordinator = open_coordinator(self.storage, group, timeout_s=self.options.timeout_s)

@@ -64,6 +64,13 @@ def test_ls_with_remote_shows_where_each_step_is_durable(saved, run):
     local, url, options = saved
     code, out = run("ls", url, "--remote", url, *opts(options), "--json")
     assert code == 0 and {r["tier"] for r in json.loads(out)} == {"local+remote"}, out
+    # a local directory beside an S3 tier: the storage options are the remote tier's
+    code, out = run("ls", str(local), "--remote", url, *opts(options), "--json")
+    assert code == 0, out
+    assert [(r["step"], r["tier"]) for r in json.loads(out)] == [(1, "remote"), (2, "local+remote"), (3, "local+remote")], out
+    assert SECRET not in out
+    code, out = run("ls", str(local), *opts(options))  # no URL at all to apply them to
+    assert code != 0 and "applies to URLs" in out, out
 
 
 def test_credentials_from_the_environment(saved, run, monkeypatch):

@@ -241,6 +241,20 @@ def test_restore_mismatch_lists_every_problem(tmp_path):
     assert "float64" in msg and "float32" in msg, msg
 
 
+def test_a_module_passed_where_the_state_dict_goes_gets_a_clear_error(tmp_path):
+    """save(step, model) and restore(model): the dict of what to save is missing; StateError says so."""
+    from checkpointing.errors import StateError
+
+    net = nn.Linear(3, 2)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        with pytest.raises(StateError, match=r"dict .*'model': model.*got Linear"):
+            mgr.save(1, net)
+        mgr.save(2, {"model": net}).wait()
+        with pytest.raises(StateError, match=r"restore\(\) needs the dict .*got Linear"):
+            mgr.restore(net)
+        assert mgr.steps() == [2]
+
+
 def test_restore_without_checkpoint_returns_none(tmp_path):
     t = {"w": torch.arange(4.0), "n": 3}
     with CheckpointManager(tmp_path / "fresh") as mgr:

@@ -265,3 +265,19 @@ def test_load_refuses_files_it_did_not_write(tmp_path):
         io.load_checkpoint(tmp_path / "torch.ckpt")
     with pytest.raises(CheckpointNotFoundError, match="not found"):
         io.load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_a_module_for_inference_from_a_pointer_file(tmp_path):
+    """Lightning's load_from_checkpoint reads the pointer with torch.load and fails; io.load_module builds
+    the module through it from the step the pointer names: hyper-parameters and weights bit-exact."""
+    module, trainer, io = _fit(tmp_path, max_epochs=2)
+    last = tmp_path / "ckpts" / "last.ckpt"
+    with pytest.raises(Exception):
+        TinyModule.load_from_checkpoint(last)  # what a user tries first: the file is our JSON pointer
+    fresh = LightningCheckpointIO(tmp_path / "store")  # another process's view: a new object on the same store
+    loaded = fresh.load_module(TinyModule, last, map_location="cpu")
+    assert isinstance(loaded, TinyModule)
+    assert loaded.hparams.lr == module.hparams.lr and loaded.hparams.args == module.hparams.args
+    assert_same(dict(loaded.state_dict()), dict(module.state_dict()))
+    with pytest.raises(TypeError, match="LightningModule"):
+        fresh.load_module(object(), last)

@@ -118,6 +118,20 @@ def test_other_fsspec_remotes(tmp_path, scheme):
         assert mgr.restore(target) == 7 and same(target, state(7))
 
 
+def test_a_file_remote_that_overlaps_the_local_directory_is_refused(tmp_path):
+    """The same directory (its retention would delete what keep_remote keeps), or one inside the other."""
+    local = tmp_path / "ck"
+    local.mkdir()
+    (tmp_path / "link").symlink_to(local)
+    for remote, how in [(local.as_uri(), "is"), (f"file://{tmp_path / 'link'}", "is"), ((local / "remote").as_uri(), "lies inside"),
+                        (tmp_path.as_uri(), "contains")]:
+        with pytest.raises(CheckpointConfigError, match=f"remote tier .* {how} the local directory .*separate directories"):
+            CheckpointManager(local, remote=remote, keep_local=1)
+    assert sorted(p.name for p in local.iterdir()) == []  # refused before anything was written
+    with CheckpointManager(local, remote=(tmp_path / "ck-remote").as_uri(), keep_local=1) as mgr:  # a sibling whose name extends it
+        mgr.save(1, state(1)).wait()
+
+
 def test_options_are_validated_and_secrets_never_shown(tmp_path, s3_bucket):
     url, options = s3_bucket
     for kwargs, text in [

@@ -60,14 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = tier_parser("ls", "list steps with size and state")
-    p.add_argument("--remote", metavar="URL", default=None, help="also list this remote tier: a column says where each step is durable")
+    p.add_argument("--remote", metavar="URL", default=None, help="also list this remote tier: a column says where each step is durable "
+                   "(--storage-option values are this URL's when TARGET is a directory)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--wide", action="store_true", help="every column (unique and shared bytes, tensors), however wide")
     p.set_defaults(func=commands.ls)
     p = tier_parser("inspect", "show a step's tensors and values")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--max-values", type=int, default=50)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--max-values", type=int, default=50, help="at most this many primitive values shown (default 50)")
     p.add_argument("--wide", action="store_true", help="every column (shards, files), keys unwrapped, however wide")
     p.set_defaults(func=commands.inspect)
     p = tier_parser("verify", "check every digest; exit 1 on damage")

@@ -40,7 +40,8 @@ _RETIRED = "retired: deleted, but later steps still use chunks in its files"
 
 def ls(args: argparse.Namespace, console: Console) -> int:
     """Every step of the tier with its state, sizes and commit time (--remote: and where it is durable)."""
-    storage = open_target(args.dir, args.storage_option)
+    local_dir = args.remote and "://" not in args.dir  # then --storage-option is the remote tier's
+    storage = open_target(args.dir, () if local_dir else args.storage_option)
     listing = catalog.list_steps(storage)
     tiers: dict[int, str] = {}
     title = f"checkpoints in {storage.url}"

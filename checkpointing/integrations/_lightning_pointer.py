@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import secrets
+import threading
 from typing import Any, Iterator
 
 from checkpointing.errors import CheckpointError
@@ -116,3 +117,17 @@ def scan(folder: str) -> Iterator[tuple[str, Pointer]]:
         pointer = read_pointer_quietly(entry.path)
         if pointer is not None:
             yield entry.path, pointer
+
+
+@dataclasses.dataclass
+class PointedStep:
+    """A step this object saved or loaded, and the pointers to it that wait for its commit."""
+
+    save_id: str
+    handle: Any = None  # its SaveHandle; None: committed before this object saw it
+    committed: bool = True
+    pending: dict[str, dict | None] = dataclasses.field(default_factory=dict)  # path -> overrides
+    settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # done callback finished
+
+    def in_flight(self) -> bool:
+        return self.handle is not None and not self.settled.is_set()

@@ -42,6 +42,9 @@ pathlib paths through codecs of _lightning_values.py; anything else is refused a
 with its key and the fix (`codecs=[...]`, or leave it out of the hyper-parameters). Each step also
 holds `_lightning_checkpoint_io: {"save_id": ...}` (checkpointing.load shows it; load_checkpoint drops it).
 
+Inference: Lightning's `MyModule.load_from_checkpoint(path)` torch.loads the pointer and fails; use
+`io.load_module(MyModule, path, **load_from_checkpoint_kwargs)` (_lightning_module.py).
+
 Limits: a pointer copied to a directory this object neither wrote to nor loaded from does not keep
 its step. ModelCheckpoint(save_last="link") replaces `last.ckpt` by a link without remove_checkpoint,
 so the old pointer's step stays on disk (save_last=True costs only a pointer here anyway). Lightning
@@ -68,6 +71,7 @@ from checkpointing.errors import (CheckpointConfigError, CheckpointError, Checkp
                                   CheckpointUploadError, StateError)
 from checkpointing.integrations import _lightning_pointer as ptr
 from checkpointing.integrations import _lightning_values as vals
+from checkpointing.integrations._lightning_module import module_from
 from checkpointing.manager import CheckpointManager, SaveHandle
 from checkpointing.state.codecs import Codec
 
@@ -81,20 +85,6 @@ MAX_OVERRIDE_BYTES = 1 << 20
 _CODEC_HINT = ("LightningCheckpointIO never pickles: give it a codec for that type (LightningCheckpointIO(dir, codecs=[codec]), "
                "a checkpointing.Codec: name, types, encode(obj) -> JSON-like data, decode(data)), or keep the value out of "
                "the checkpoint (self.save_hyperparameters(ignore=[...]))")
-
-
-@dataclasses.dataclass
-class _Step:
-    """A step this object saved or loaded, and the pointers to it that wait for its commit."""
-
-    save_id: str
-    handle: SaveHandle | None = None  # None: committed before this object saw it
-    committed: bool = True
-    pending: dict[str, dict | None] = dataclasses.field(default_factory=dict)  # path -> overrides
-    settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # done callback finished
-
-    def in_flight(self) -> bool:
-        return self.handle is not None and not self.settled.is_set()
 
 
 class LightningCheckpointIO(CheckpointIO):
@@ -125,7 +115,7 @@ class LightningCheckpointIO(CheckpointIO):
         self._codecs = vals.with_codecs(codecs)
         self._mgr: CheckpointManager | None = None
         self._lock = threading.Lock()  # guards everything below and every pointer file operation
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[int, ptr.PointedStep] = {}
         self._on_disk: set[int] = set()  # committed steps of the directory (listed once per manager)
         self._doomed: set[int] = set()  # steps that lost a pointer: deleted once nothing refers to them
         self._dirs: set[str] = set()  # directories of the pointers this object wrote or read
@@ -163,7 +153,7 @@ class LightningCheckpointIO(CheckpointIO):
             return
         if step in self._on_disk:
             self._replace(step)
-        entry = _Step(ptr.new_save_id(), committed=False)
+        entry = ptr.PointedStep(ptr.new_save_id(), committed=False)
         try:
             entry.handle = mgr.save(step, {**checkpoint, ID_KEY: {"save_id": entry.save_id}})
         except StateError as exc:
@@ -207,8 +197,13 @@ class LightningCheckpointIO(CheckpointIO):
         with self._lock:
             self._dirs.add(os.path.dirname(target))
             if ours:
-                self._steps.setdefault(pointer.step, _Step(pointer.save_id))
+                self._steps.setdefault(pointer.step, ptr.PointedStep(pointer.save_id))
         return vals.placed(tree, map_location)
+
+    def load_module(self, cls: type, path: Any, **kwargs: Any) -> Any:
+        """`cls.load_from_checkpoint(path, **kwargs)` for a path this plugin saved to (inference; Lightning's
+        own reads the pointer file with torch.load and fails): _lightning_module.py."""
+        return module_from(cls, self.load_checkpoint(path), **kwargs)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at `path`; its step goes once nothing refers to it (see the module docstring)."""
@@ -290,7 +285,7 @@ class LightningCheckpointIO(CheckpointIO):
         except StateError as exc:
             raise StateError(f"{exc} (saving {target}){vals.namespaces_hint(exc, checkpoint)}. {_CODEC_HINT}") from exc
 
-    def _add_alias(self, target: str, step: int, entry: _Step, overrides: dict | None) -> None:
+    def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
         """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
         with self._lock:
             for other, e in self._steps.items():
@@ -302,7 +297,7 @@ class LightningCheckpointIO(CheckpointIO):
             else:
                 entry.pending[target] = overrides
 
-    def _settle(self, step: int, entry: _Step, handle: SaveHandle) -> None:
+    def _settle(self, step: int, entry: ptr.PointedStep, handle: SaveHandle) -> None:
         """The done callback of a save (a background thread): write its pointers, or keep its error."""
         try:
             error = handle.exception()
@@ -325,7 +320,7 @@ class LightningCheckpointIO(CheckpointIO):
         finally:
             entry.settled.set()
 
-    def _write(self, target: str, step: int, entry: _Step, overrides: dict | None) -> None:
+    def _write(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
         """Write a pointer (the lock held); the step it replaces at `target` may go."""
         old = ptr.read_pointer_quietly(target)
         try:

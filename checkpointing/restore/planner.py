@@ -315,7 +315,8 @@ class RestorePlan:
 def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, codecs: tuple[Codec, ...], select: Selection | bool = True) -> RestorePlan:
     """Check `state` against the manifest; raise CheckpointMismatchError listing every problem."""
     if not isinstance(state, MutableMapping):
-        raise TypeError(f"restore() needs the dict of objects to restore into, got {type(state).__name__}")
+        raise StateError(f"restore() needs the dict of objects to restore into, such as {{'model': model, 'optim': optimizer}}; "
+                         f"got {type(state).__name__}")
     union = merge_trees([manifest.trees[i] for i in sorted(set(manifest.rank_trees))])  # each distinct tree once
     select = select if isinstance(select, Selection) else Selection(strict=bool(select))
     planner = _Planner(manifest, codecs, select, world_size, relaid=world_size != manifest.world_size)

@@ -83,7 +83,7 @@ def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), e
     optimizer.step() mutates: a state_dict()'s tensors share them); never when `eager`.
     """
     if not isinstance(state, Mapping):
-        raise StateError(f"state must be a dict of name -> value, got {type(state).__name__}")
+        raise StateError(f"state must be a dict of name -> value, such as {{'model': model, 'optim': optimizer}}; got {type(state).__name__}")
     walker = _Walker(codecs, eager, watched)
     tree = walker.visit_mapping(state, ())
     try:  # what save writes, restore must be able to read: the decoder's own checks, now

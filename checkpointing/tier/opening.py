@@ -67,7 +67,7 @@ def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bo
     return storage
 
 
-def open_remote_tier(options: ManagerOptions) -> FsspecStorage | None:
+def open_remote_tier(options: ManagerOptions, local_dir: str | os.PathLike) -> FsspecStorage | None:
     """The remote tier's storage, or None. Credentials stay inside it: never in messages, logs or files."""
     if options.remote is None:
         return None
@@ -75,4 +75,24 @@ def open_remote_tier(options: ManagerOptions) -> FsspecStorage | None:
                           part_bytes=options.upload_part_bytes, max_bytes_per_s=options.upload_bytes_per_s,
                           own_loop=True)  # its threads may follow the uploads' priority (save/uploader.py)
     assert isinstance(opened, FsspecStorage)
+    try:
+        _check_apart(local_dir, opened)
+    except CheckpointConfigError:
+        opened.close()
+        raise
     return opened
+
+
+def _check_apart(local_dir: str | os.PathLike, remote: FsspecStorage) -> None:
+    """CheckpointConfigError when a file:// remote tier is the local directory, or one lies inside the
+    other: each tier's retention and tidying would remove the other's steps, and a copy on the same
+    disk survives nothing the local one does not."""
+    if remote.protocol not in ("file", "local"):
+        return
+    a, b = os.path.realpath(local_dir), os.path.realpath(remote.root)
+    if a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep):
+        how = "is" if a == b else ("lies inside" if b.startswith(a + os.sep) else "contains")
+        raise CheckpointConfigError(
+            f"the remote tier {remote.url} {how} the local directory {local_dir}: the tiers must be separate directories "
+            "(the remote one on other storage: a shared filesystem, s3://...); pass another remote=, or none"
+        )
