@@ -71,6 +71,7 @@ def test_per_rank_values_restore_per_rank_and_refuse_other_world_sizes(tmp_path)
     assert sorted(t["key"] for t in manifest["tensors"]) == ["rng", "rng", "shared"]
     [other] = run_ranks(_dist.per_rank_state, 1, ck, "other", tmp=tmp_path)
     assert "loader/pos" in other and "rng" in other and "saved per rank" in other
+    assert "1 rank(s) restore now" in other and "restore with 2 ranks" in other and "pipeline" not in other, other
     assert "shared" not in other.split("problem(s)")[1]
 
 

@@ -142,6 +142,12 @@ def test_import_refuses_a_checkpoint_of_this_library_and_runs_one_process(tmp_pa
         import_checkpoint(tmp_path / "ours", tmp_path / "ck", 1)
     with pytest.raises(CheckpointError, match="no such file"):
         import_checkpoint(tmp_path / "missing.pt", tmp_path / "ck", 1)
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointConfigError, match="neither a torch.save file"):
+        import_checkpoint(tmp_path / "notes.txt", tmp_path / "ck", 1)
+    torch.save({"x": torch.arange(3.0)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    import_checkpoint(tmp_path / "legacy.pt", tmp_path / "legacy", 1)  # the pre-zip format is still read
+    assert torch.equal(checkpointing.load(tmp_path / "legacy")["x"], torch.arange(3.0))
 
 
 def test_import_to_s3(tmp_path, s3_bucket):

@@ -254,6 +254,8 @@ def test_cli_prints_the_tables(run_dir):
     code, out = cli(str(run_dir), "--mtbf", "24")
     assert code == 0
     assert "saves in" in out and "summary: 4 saves, 4 ok, 0 failed" in out and "Daly interval" in out
+    code, out = cli(str(run_dir), "--mtbf", "-1")
+    assert code != 0 and "in hours" in out and "got -1.0" in out and "3600" not in out, out
 
 
 def test_cli_json_last_and_plot(run_dir, tmp_path):

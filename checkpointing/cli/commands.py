@@ -283,7 +283,8 @@ def gc(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{verb} {g.path} ({fmt.size(g.nbytes)}): {g.reason}", markup=False, highlight=False)
     total_size = fmt.size(sum(g.nbytes for g in result.garbage))
     if not result.garbage:
-        console.print(f"nothing unreferenced in {escape(storage.url)}")
+        younger = f" older than --min-age-s {args.min_age_s:g} s (younger objects may be a save's in flight)" if args.min_age_s > 0 else ""
+        console.print(f"nothing unreferenced{younger} in {escape(storage.url)}")
     elif args.dry_run:
         console.print(f"{len(result.garbage)} unreferenced object(s), {total_size}: run without --dry-run to remove them")
     else:

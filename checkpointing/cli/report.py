@@ -266,6 +266,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             records = records[-args.last:]
         if not records:
             return fmt.fail(console, f"{args.dir}: no save metrics recorded ({METRICS_NAME} is missing or empty)")
+        if args.mtbf is not None and not args.mtbf > 0:
+            return fmt.fail(console, f"--mtbf is the mean time between failures in hours: pass a number > 0, got {args.mtbf}")
         mtbf_s = args.mtbf * 3600.0 if args.mtbf is not None else None
         summary = summarize(records, mtbf_s)
         path = str(plot(records, args.plot)) if args.plot else None

@@ -24,7 +24,7 @@ def open_target(target: str, option_pairs: Sequence[str] = ()) -> Storage:
     if "://" not in target:
         root = Path(target)
         if not root.is_dir():
-            raise CommandFailed(f"{target}: no such checkpoint directory")
+            raise CommandFailed(f"{target}: {'a file, not' if root.exists() else 'no such'} checkpoint directory")
         if options:
             raise CommandFailed("--storage-option applies to URLs (s3://bucket/prefix), not to a directory")
         return LocalStorage(root, direct=False)

@@ -67,7 +67,10 @@ def detect(src: Path) -> str:
         return "torch"
     if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < src.stat().st_size:
         return "safetensors"
-    return "torch"  # the legacy (pre-zip) torch.save format; torch.load says if it is not one
+    if head[:1] == b"\x80":  # a pickle's PROTO opcode: the legacy (pre-zip) torch.save format; torch.load says if it is not one
+        return "torch"
+    raise CheckpointConfigError(f"{src} is not a checkpoint import reads: neither a torch.save file (zip or legacy pickle), a "
+                                ".safetensors file, a DCP checkpoint directory nor a Hugging Face directory")
 
 
 def read(src: Path, kind: str, select: Selection) -> Loaded:

@@ -115,6 +115,12 @@ class _Planner:
                 f"saved per rank (the {saved} saving ranks hold different values): load(..., rank=r) reads the value "
                 "rank r saved, or leave it out with exclude="
             )
+        if self.relaid and self.world_size != saved:
+            return (
+                f"saved per rank (the {saved} saving ranks hold different values), and {self.world_size} rank(s) restore "
+                f"now, so no saved value is known to be this rank's; restore with {saved} ranks, read one rank's with "
+                "checkpointing.load(..., rank=r), or leave it out of the state passed to restore"
+            )
         if self.relaid:
             return (
                 f"saved per rank (the {saved} saving ranks hold different values) and this rank's keys differ from the "

@@ -53,6 +53,8 @@ class ReadOnlyLocalStorage(LocalStorage):
 def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bool, fsync: bool, remote: bool) -> LocalStorage:
     """The manager's local tier at `local_dir`; CheckpointConfigError when it cannot be used. Read-only:
     the directory must exist, unless a remote tier (`remote`) can serve every step."""
+    if os.path.exists(local_dir) and not os.path.isdir(local_dir):
+        raise CheckpointConfigError(f"{local_dir!s} is a file, not a directory: pass the checkpoint directory (or a new path)")
     if not read_only:
         try:
             return LocalStorage(local_dir, direct=direct, fsync=fsync)
