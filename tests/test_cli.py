@@ -121,6 +121,13 @@ def test_inspect_names_a_missing_or_truncated_data_file_on_each_tier(saved, run)
     pack.unlink()
     code, out = run("inspect", str(local), "--step", "3")
     assert code == 1 and f"{pack.name}: missing or not a regular file" in out, out
+    # ls tells it too (sizes only): the step is listed damaged, not committed, on both tiers
+    code, out = run("ls", str(local), "--json")
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert code == 0 and rows[3]["state"] == "damaged" and pack.name in rows[3]["error"] and "verify" in rows[3]["error"], out
+    assert rows[2]["state"] == "committed", out
+    code, out = run("ls", url, *opts(options), "--json")
+    assert [r["state"] for r in json.loads(out)] == ["committed", "committed", "damaged"], out
 
 
 def test_gc_removes_only_unreferenced_data(run, tmp_path, s3_bucket):

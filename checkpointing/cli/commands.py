@@ -30,7 +30,7 @@ from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog, collect, pins
 from checkpointing.tier import lock as writer_lock
 from checkpointing.tier.tierfile import read_tier_id
-from checkpointing.tier.verify import verify_step
+from checkpointing.tier.verify import missing_files, verify_step
 
 # (column, row key, drop: 0 only with --wide, what it means)
 _LS_SIZES = (("size", "bytes", 1, "size: the step's state"), ("new", "new", 3, "new: written by its save (incremental saves reuse the rest)"),
@@ -57,6 +57,9 @@ def ls(args: argparse.Namespace, console: Console) -> int:
         console.print(f"no checkpoints in {escape(storage.url)}")
         return 0
     tables.show(console, _steps_view(rows, title, with_tiers=bool(tiers), width=console.width, wide=args.wide))
+    for r in rows:
+        if r.get("error"):
+            console.print(f"step {r['step']} {r['state']}: {r['error']}", markup=False, highlight=False)
     return 0
 
 
@@ -77,6 +80,9 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
                 row["bytes"] = manifests[step].nbytes
                 if manifests[step].metrics:
                     row["metrics"] = dict(manifests[step].metrics)  # save(..., metrics=...)
+                lost = missing_files(storage, manifests[step])
+                if lost:
+                    row["state"], row["error"] = "damaged", f"{lost[0]}{f' (and {len(lost) - 1} more)' if len(lost) > 1 else ''}: run checkpointing verify"
             except CheckpointError as exc:
                 row["state"] = "damaged"
                 row["error"] = str(exc)
@@ -174,24 +180,8 @@ def _tensors_view(manifest: Manifest, title: str, *, width: int | None, wide: bo
 
 
 def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
-    """1 (and a line per file) when a data file this tier should hold is missing, not a regular file or
-    of the wrong size (what inspect can tell without reading the data: `verify` checks every byte)."""
-    here = read_tier_id(storage)
-    # the sizes each file may have: a local tier holds whole files, the remote tier (no id) at least their primary prefix
-    expected = {f.path: (f.nbytes if here is not None else f.primary_bytes, f.nbytes)
-                for f in manifest.files if here is None or f.tier in ("", here)}
-    if not manifest.files:  # format v1: no file table, each file must at least hold its chunks
-        for t in manifest.tensors:
-            for sh in t.shards:
-                for c in sh.chunks:
-                    end = max(expected.get(c.file, (0, 0))[0], c.offset + c.length)
-                    expected[c.file] = (end, 1 << 62)
-    bad = []
-    sizes = storage.sizes(sorted(expected))  # an object store lists each directory rather than a HEAD per file
-    for path, (lo, hi) in sorted(expected.items()):
-        found = sizes[path]
-        if found is None or not lo <= found <= hi:
-            bad.append(f"{storage.url}/{path}: " + ("missing or not a regular file" if found is None else f"{found} bytes, expected {lo}"))
+    """1 (and a line per file) when a data file this tier should hold is missing or of the wrong size (verify.missing_files)."""
+    bad = missing_files(storage, manifest)
     for line in bad:
         console.print(f"[red]damaged[/red] {escape(line)}")
     if bad:
