@@ -29,6 +29,7 @@ from checkpointing.restore.reading import ReadBox, Sources, read_box
 from checkpointing.storage import Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.verify import missing_files
 
 @dataclasses.dataclass(frozen=True)
 class OpenStep:
@@ -94,6 +95,10 @@ def check_extent(storage: Storage, manifest: Manifest) -> None:
                             f"{storage.url}/{c.file} lie past its end ({sizes[c.file]} bytes): the file is truncated or the "
                             "manifest damaged; export another step"
                         )
+    lost = missing_files(storage, manifest)
+    if lost:
+        raise CheckpointCorruptError(f"step {manifest.step}: {lost[0]}{f' (and {len(lost) - 1} more)' if len(lost) > 1 else ''}; "
+                                     "export another step, or from another tier that holds this one (`checkpointing verify` checks every byte)")
     if manifest.nbytes > sum(sizes.values()):
         raise CheckpointCorruptError(
             f"step {manifest.step}: its tensors need {manifest.nbytes} bytes, but the data files in {storage.url} hold only "

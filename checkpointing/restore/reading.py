@@ -198,7 +198,7 @@ def _read_chunks(storage: Storage, step: int, entry: TensorEntry, chunks: tuple[
             if got != c.digest:
                 raise CheckpointCorruptError(
                     f"{where}: bytes {c.offset}..{c.offset + c.length} are damaged ({got} != {c.digest}); "
-                    "restore another step with restore(step=...), or run `checkpointing verify`"
+                    "use another step (step=N; CLI: --step N), or run `checkpointing verify`"
                 )
             pos += c.length
         i = j

@@ -143,7 +143,7 @@ def committed_manifest(storage: Storage, step: int) -> tuple[Manifest, str]:
     if digest != marker.manifest_digest:
         raise CheckpointCorruptError(
             f"step {step}: manifest {where} is damaged (sha256 {digest[7:19]}... != "
-            f"{marker.manifest_digest[7:19]}... in COMMIT); restore another step (restore(step=...))"
+            f"{marker.manifest_digest[7:19]}... in COMMIT); use another step (step=N; CLI: --step N)"
         )
     manifest = _decoded.get(digest, data, where)
     if manifest.step != step:
