@@ -246,3 +246,14 @@ def test_a_truncated_data_file_is_refused_before_anything_is_allocated(tmp_path)
         export_safetensors(tmp_path / "ck", tmp_path / "out", only="model")
     assert pack.name in str(info.value) and "export another step" in str(info.value)
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_a_missing_data_file_is_named(tmp_path):
+    from checkpointing import CheckpointCorruptError
+
+    _save(tmp_path / "ck", _state())
+    [pack] = (tmp_path / "ck" / "step-0000000003").glob("*.pack")
+    pack.unlink()
+    with pytest.raises(CheckpointCorruptError, match="missing or not a regular file") as info:
+        export_safetensors(tmp_path / "ck", tmp_path / "out", only="model")
+    assert pack.name in str(info.value) and "export another step" in str(info.value) and "other tiers" not in str(info.value)
