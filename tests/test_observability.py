@@ -22,7 +22,7 @@ import torch
 
 from _dist import run_ranks
 from _models import CrashNet, child_env, crash_const, crash_expected
-from checkpointing import CheckpointConfigError, CheckpointManager
+from checkpointing import CheckpointConfigError, CheckpointManager, CheckpointUploadError
 from checkpointing.plan import advice
 from checkpointing.cli.app import main
 from checkpointing.plan.schedule import SaveSchedule
@@ -185,6 +185,35 @@ def test_auto_schedule_by_hand():
     follower.adopt(421, from_step=450)
     assert not follower.due(449) and follower.due(450)
     assert SaveSchedule(4).due(8) and not SaveSchedule(4).due(9)
+    failing = SaveSchedule("auto", 1800.0)  # the first save failed before it was measured: the next opportunity saves
+    failing.saved(3)
+    failing.failed()
+    assert failing.due(4)
+    sched.failed()  # with an interval in use, a failure keeps it
+    assert sched.every_steps == 421 and not sched.due(7 + 420)
+
+
+def test_interval_auto_keeps_saving_while_every_upload_fails(tmp_path):
+    """Each step is committed locally while its upload fails (the remote URL lies under a regular
+    file): the loop pays for the saves all the same, so they are measured, and the interval holds."""
+    (tmp_path / "blocked").write_text("a file where the remote tier's directory should be")
+    saves, raised = [], 0
+    with CheckpointManager(tmp_path / "ck", interval="auto", mtbf_s=0.2, remote=f"file://{tmp_path / 'blocked' / 'r'}") as mgr:
+        for step in range(1, 3001):
+            with mgr.step(step):
+                time.sleep(0.01)
+                if mgr.should_save(step):
+                    try:
+                        mgr.save(step, {"w": torch.full((1 << 16,), float(step))})
+                    except CheckpointUploadError:
+                        raised += 1  # the upload before last failed: reported here, as documented
+                    saves.append(step)
+            if len(saves) == 5:
+                break
+        with pytest.raises(CheckpointUploadError):
+            mgr.wait()
+    assert len(saves) == 5 and mgr.interval_steps is not None, (saves, mgr.interval_steps)
+    assert raised >= 1 and all(not s.ok and s.committed and s.tier == "local" for s in mgr.stats()), mgr.stats()
 
 
 def test_interval_auto_saves_at_once_then_at_dalys_interval(tmp_path):

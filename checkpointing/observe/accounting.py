@@ -117,6 +117,8 @@ class SaveAccounting:
                 self._first_durable_s = time.perf_counter() - self._t_created
                 stats = dataclasses.replace(stats, time_to_first_durable_s=self._first_durable_s)
             self._pending.setdefault(stats.step, []).append((stats, replace))
+        if self.schedule is not None and not stats.committed:
+            self.schedule.failed()
         return stats
 
     def settle(self, step: int, ok: bool) -> None:
@@ -142,7 +144,7 @@ class SaveAccounting:
         if cost.baseline == "none":  # no step was ever marked: nothing to say about steps
             return stats
         full = dataclasses.replace(stats, **cost.as_metrics())  # type: ignore[arg-type]
-        if self.schedule is not None and stats.ok:
+        if self.schedule is not None and stats.committed:  # (an upload that failed does not change what the loop paid)
             # the C of checkpointing.advice, as `checkpointing report` computes it
             c = max(0.0, cost.step_stall_s - stats.wait_prev_s) + cost.slowdown_s
             before = self.schedule.every_steps

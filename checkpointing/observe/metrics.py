@@ -55,7 +55,8 @@ class SaveStats:
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
         bytes this rank uploaded, and their rate over this rank's own transfer time.
     ok: durable on every configured tier; a step whose upload failed has ok=False, tier="local"
-        and the upload error in `error` (it is committed locally).
+        and the upload error in `error` (it is committed locally). committed: the step is committed
+        on the local tier (True also when only its upload or peer copy failed).
 
     Step accounting (None until the save's cost is final, and without marked steps; see
     checkpointing/steptime.py for the definitions):
@@ -104,6 +105,7 @@ class SaveStats:
     chunks_damaged: int = 0
     bytes_deferred: int = 0
     yielded_s: float | None = None
+    committed: bool = False
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:

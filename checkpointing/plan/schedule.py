@@ -6,7 +6,8 @@ for the previous save, plus slowdown: the C of checkpointing.advice, as `checkpo
 computes it) and the job's MTBF into Daly's interval, and that into steps of the median step time:
 
 - before any save in this run: due at once (the first opportunity; it also gives a measurement);
-- after a save whose cost is not measured yet: not due;
+- after a save whose cost is not measured yet: not due (one rank: due again if it failed);
+- a save committed locally is measured even when its upload failed (the loop paid for it all the same);
 - then: due when ``step - last_save >= every_steps``, ``every_steps`` recomputed at each measured
   save from the median of the last `window` costs (the interval is flat near its optimum, so the
   median's robustness matters more than following every change).
@@ -62,6 +63,12 @@ class SaveSchedule:
         decisions wait for a value adopted for the new period."""
         self.last_save = step
         self.saves += 1
+
+    def failed(self) -> None:
+        """A save was not committed. Before any measured interval (one rank), the next opportunity is
+        due again: waiting for a measurement of a save that failed would never save again."""
+        if self.interval == "auto" and self.follow and self.every_steps is None:
+            self.last_save = None
 
     def observe(self, cost_s: float, step_time_s: float | None) -> int | None:
         """A save's measured cost and the current median step time; returns the proposed interval

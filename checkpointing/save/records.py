@@ -114,5 +114,5 @@ def stats_of(job: SaveJob, upload: UploadJob | None, *, staging_bytes: int, rank
         write_bytes_per_s=bytes_written / write_s if committed and write_s > 0 else 0.0,
         yielded_s=outcome.yielded_s if committed else None,
         staging_bytes=staging_bytes, time=inputs.wall_time, rank=rank, world_size=world_size,
-        tier="local+remote" if ok and upload is not None else "local", **remote,
+        tier="local+remote" if ok and upload is not None else "local", committed=committed, **remote,
     )
