@@ -5,7 +5,9 @@ shape and offsets) if any, a digest of its bytes, and the chunk references where
 it (None when a peer on its local tier wrote the same bytes). The merge:
 
 - gathers the shards of each DTensor key, checks dtype and global shape agree, that replicas of a
-  shard hold the same bytes, and that the shards tile the global tensor (no overlap, no hole);
+  shard hold the same bytes, and that the shards tile the global tensor (no overlap, no hole); one
+  key on several meshes is one tensor when their bytes agree shard for shard (a sub-mesh DTensor
+  replicated across the other mesh dimensions), else one per mesh (pipeline stages);
 - stores a plain tensor once per distinct content: ranks that saved equal bytes under one key
   share one entry (replicated state), ranks that differ get their own (per-rank state);
 - checks every leaf has a copy on its rank's local tier, picks one primary copy per shard (what the
@@ -41,7 +43,7 @@ class PartLeaf:
     digest: str  # of dtype, shape and every chunk digest: equal bytes <=> equal digest
     region: int  # assign.UNIQUE / PRIMARY / TIER / OTHER
     chunks: tuple[tuple[str, int, int, str], ...] | None  # (file, offset, length, digest); None: a peer wrote it
-    mesh: tuple[int, ...] = ()  # a DTensor shard's mesh (its ranks): one key on two meshes is two tensors (pipeline stages)
+    mesh: tuple[int, ...] = ()  # a DTensor shard's mesh (its ranks): one key on two meshes is two tensors (pipeline stages), unless their bytes agree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +169,7 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
                 continue
             _add_shard(entry, leaf, part, problems)
         leaf_map.append(mapping)
+    entries = _join_replicated_meshes(entries, index, leaf_map)
     _check_local_copies(parts, entries, index, ident, tiers, problems)
     tensors, primary_end = _finish_entries(entries, parts, tiers, problems)
     if problems:
@@ -184,6 +187,36 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
         raise MergeError([str(exc)]) from None
     per_rank = frozenset(k for k, by_digest in plain_digests.items() if len(by_digest) > 1 or sum(map(len, by_digest.values())) != world)
     return manifest, data, per_rank
+
+
+def _join_replicated_meshes(entries: list[_Entry], index: dict[tuple, int], leaf_map: list[list[int]]) -> list[_Entry]:
+    """One DTensor key on several meshes whose bytes agree shard for shard is one tensor with more
+    copies: a DTensor on a sub-mesh, replicated across the job's other mesh dimensions (FSDP over
+    the dp dimension, tensor parallelism beside it, a parameter TP leaves alone: each TP rank's dp
+    group holds it whole). Keys whose meshes hold other bytes stay apart (pipeline stages).
+    Rewrites `index` and `leaf_map` to the entries kept."""
+    dtensors = {i for which, i in index.items() if which[0] == "dtensor"}
+    first: dict[tuple, int] = {}
+    target = list(range(len(entries)))
+    for i in sorted(dtensors):
+        e = entries[i]
+        handoff()
+        layout = (e.key, e.dtype, e.shape, frozenset((o, s.shape, s.digest) for o, s in e.shards.items()))
+        j = first.setdefault(layout, i)
+        if j != i:
+            for o, shard in e.shards.items():
+                entries[j].shards[o].copies.extend(shard.copies)
+            target[i] = j
+    if all(t == i for i, t in enumerate(target)):
+        return entries
+    kept = [i for i, t in enumerate(target) if t == i]
+    number = {old: n for n, old in enumerate(kept)}
+    remap = [number[t] for t in target]
+    for mapping in leaf_map:
+        mapping[:] = [remap[x] for x in mapping]
+    for which, i in index.items():
+        index[which] = remap[i]
+    return [entries[i] for i in kept]
 
 
 def _distinct_trees(parts: list[RankPart], leaf_map: list[list[int]]) -> tuple[list[dict[str, Any]], list[int]]:
