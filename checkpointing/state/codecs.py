@@ -95,8 +95,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._allowed:
             raise CheckpointError(
-                f"the pickle names {module}.{name}, which is not among the types this PickleCodec was given; "
-                f"if you trust this checkpoint and that type, add it: PickleCodec(..., {name.rsplit('.', 1)[-1]})"
+                f"the pickle names {module}.{name}, which is not among the types this PickleCodec was given. If it is a "
+                f"class you saved and you trust this checkpoint, add it: PickleCodec(..., {name.rsplit('.', 1)[-1]}); a "
+                "function there (os.system, eval, a builtin) means the pickle would run code: do not load it"
             )
         return super().find_class(module, name)
 
