@@ -176,6 +176,17 @@ def test_cost_uses_step_stall_without_the_wait_for_the_previous_save():
     assert summary.summarize([rec], mtbf_s=100.0).advice.cost_s == pytest.approx(0.2 + 0.1)
 
 
+def test_a_save_whose_upload_failed_still_counts_its_bytes_and_cost():
+    """Committed locally, its upload failed: the loop paid for it and its bytes are on the local tier."""
+    rec = {"step": 1, "ok": False, "committed": True, "error": "CheckpointUploadError: ...", "wait_prev_s": 0.0,
+           "stall_s": 0.2, "step_stall_s": 0.2, "slowdown_s": 0.1, "bytes_written": 1000, "bytes_reused": 10}
+    s = summary.summarize([rec], mtbf_s=100.0)
+    assert (s.ok, s.failed, s.bytes_written, s.bytes_reused) == (0, 1, 1000, 10)
+    assert s.advice.cost_s == pytest.approx(0.3)
+    lost = dict(rec, committed=False, error="OSError: disk full")
+    assert summary.summarize([lost]).bytes_written == 0
+
+
 def test_json_has_stable_documented_keys(records):
     doc = summary.to_json(records, mtbf_s=3600.0, source="ckpt")
     assert list(doc) == ["schema", "source", "plot", "saves", "summary", "advice"]

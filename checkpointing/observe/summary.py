@@ -133,7 +133,8 @@ class Spread:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """Over successful saves (failed ones are only counted). Spreads are None without data.
+    """Over successful saves (failed ones are only counted; the bytes and the cost also count saves
+    committed locally whose upload failed). Spreads are None without data.
     Records of several ranks (``rank``/``world_size`` fields) each count as one sample.
 
     stall_s, total_s: from SaveStats. step_stall_s, slowdown_s, overhead_pct: from step accounting,
@@ -170,15 +171,16 @@ def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s:
     """Summary of ``records``; with ``mtbf_s`` (seconds) also the recommended interval for a cost
     of the median per-save ``stall_s + slowdown_s``. Raises CheckpointConfigError for a bad MTBF."""
     good = [r for r in records if succeeded(r)]
+    local = [r for r in records if succeeded(r) or r.get("committed") is True]  # an upload that failed: the loop paid all the same
 
-    def col(key: str) -> list[float]:
-        return [v for v in (number(r, key) for r in good) if v is not None]
+    def col(key: str, among: Sequence[Record] = good) -> list[float]:
+        return [v for v in (number(r, key) for r in among) if v is not None]
 
     def mean_pos(key: str) -> float | None:
         xs = [v for v in col(key) if v > 0]
         return statistics.fmean(xs) if xs else None
 
-    costs = [c for c in (_save_cost(r) for r in good) if c is not None]
+    costs = [c for c in (_save_cost(r) for r in local) if c is not None]
     step_times = col("step_time_s")
     step_time = statistics.median(step_times) if step_times else None
     ttfd = [v for v in (number(r, "time_to_first_durable_s") for r in records) if v is not None]
@@ -193,7 +195,7 @@ def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s:
         step_stall_s=Spread.of(col("step_stall_s")), slowdown_s=Spread.of(col("slowdown_s")),
         overhead_pct=Spread.of(col("overhead_pct")),
         write_bytes_per_s=mean_pos("write_bytes_per_s"), upload_bytes_per_s=mean_pos("upload_bytes_per_s"),
-        bytes_written=int(sum(col("bytes_written"))), bytes_reused=int(sum(col("bytes_reused"))),
+        bytes_written=int(sum(col("bytes_written", local))), bytes_reused=int(sum(col("bytes_reused", local))),
         step_time_s=step_time, time_to_first_durable_s=ttfd[-1] if ttfd else None, advice=rec_advice,
     )
 
