@@ -140,8 +140,8 @@ class CheckpointMismatchError(CheckpointError):
             f"checkpoint step {step} does not match the state passed to restore "
             f"({len(self.problems)} problem(s)):\n  - {lines}\n"
             "Pass the same kinds of objects that were saved, or name what to restore: "
-            "restore(..., only=['model']) or exclude=['optim'] (glob patterns over the keys above); "
-            "checkpointing.load(path) shows what the step holds."
+            "restore(..., only=[...]) or exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'; "
+            "checkpointing.load(path, keys=...) / exclude=... the same); checkpointing.load(path) shows what the step holds."
         )
 
 

@@ -142,7 +142,7 @@ class _Planner:
             return base64.b64decode(node["bytes"])
         codec = self.codecs.get(node["codec"])
         if codec is None:
-            self.problem(path, f"saved with codec {node['codec']!r}: pass CheckpointManager(codecs=[...]) with that codec")
+            self.problem(path, f"saved with codec {node['codec']!r}: pass that codec: CheckpointManager(codecs=[...]), or load(..., codecs=[...])")
             return None
         return codec.decode(node["data"])
 
