@@ -59,7 +59,8 @@ class Recovery:
             worker = threading.Thread(target=self._fetch_all, args=(plan,), name="ckpt-peer-fetch", daemon=True)
             beating(self._store, keys.peer_fetch_beat(n, node.rank), [worker])
             self._store.set(keys.peer_fetched(n, node.rank), b"1")
-            self._report_lost(elsewhere - local)
+            on_peers = {s for h in hosted if (h.ranks, h.world_size) == (tuple(node.ranks), node.world_size) for s in h.steps}
+            self._report_lost(elsewhere - local - on_peers)  # a step a peer holds is not lost: restore(step=k) fetches it
             return
         silent = wait_alive(self._store, {node.leader: keys.peer_fetched(n, node.leader)}, lambda r: keys.peer_fetch_beat(n, r),
                             node.timeout_s)
@@ -92,7 +93,7 @@ class Recovery:
         lost = sorted(candidates - held)
         if lost:
             log.warning("checkpointing: rank %d: step%s %s %s committed on other nodes, but what %s saved of %s is on no disk that "
-                        "survived (this node's local tier lost it and no peer committed a copy): only a remote tier that holds it "
+                        "survived (this node's local tier lost it and no peer holds a committed copy): only a remote tier that holds it "
                         "can restore it", node.rank, "s" if len(lost) > 1 else "", ", ".join(map(str, lost)),
                         "are" if len(lost) > 1 else "is", rank_ranges(node.ranks), "them" if len(lost) > 1 else "it")
 
