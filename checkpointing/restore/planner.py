@@ -24,6 +24,7 @@ from checkpointing.state.codecs import Codec
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
+from checkpointing.restore.optim_keys import key_map
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import Selection, plain_name, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
@@ -81,6 +82,7 @@ class _Planner:
         self.reads: list[ReadBox] = []
         self.loads: list[Callable[[], None]] = []
         self.param_hints: dict[tuple, torch.Tensor] = {}  # optimizer state path -> its parameter
+        self.rekeyed: dict[tuple, dict] = {}  # optimizer state dict path -> saved state key -> target's (optim_keys.py)
 
     def problem(self, path: tuple, text: str) -> None:
         self.problems.append(f"{join_key(path) or '<root>'}: {text}")
@@ -90,7 +92,7 @@ class _Planner:
         if OPTIONAL in node:
             self.new_layout |= bool(node.get(BORROWED))
             return self.value(target, node[OPTIONAL], path)
-        if self.relaid and _lists_group_params(path) and isinstance(target, list):
+        if (self.relaid or path[:-3] in self.rekeyed) and _lists_group_params(path) and isinstance(target, list):
             return target  # which parameters a group holds is the new layout's (its own), not saved state
         if PER_RANK in node:
             self.problem(path, self.per_rank_text())
@@ -217,6 +219,11 @@ class _Planner:
             return self.stateful(target, {"stateful": node, "class": "dict"}, path)
         if isinstance(target, MutableMapping):
             wildcard = len(target) == 0 and (not top or self.select.take_all)
+            keyed = key_map(target, node)  # an optimizer's state keyed by position on one side, by name on the other
+            if keyed is not None:
+                self.rekeyed[path] = keyed
+            renamed = self.rekeyed.get(path[:-1], {}) if path[-1:] == ("state",) else {}
+            items = [(renamed.get(k, k), child) for k, child in items]
             names = _NameMatch(target, [k for k, _ in items])
             if not wildcard:
                 for k, v in target.items():

@@ -1,0 +1,45 @@
+"""Optimizer state saved keyed by position restores into a target keyed by name, and back (pure; layer: restore).
+
+`Optimizer.state_dict()` keys each parameter's state by its position (0, 1, ...) and lists those
+positions in `param_groups[i]["params"]`; torch.distributed.checkpoint's `get_state_dict` /
+`get_optimizer_state_dict` key it by parameter name ("layers.0.weight") and list the names there
+instead. Both list the optimizer's parameters in the same order, so when a saved optimizer state
+and its target are keyed the two different ways, and their groups list the same number of
+parameters, position k of the flattened groups is the k-th name: the saved `state` keys map one to
+one onto the target's. The target keeps its own `params` lists (its keying).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def key_map(target: Any, node: dict) -> dict[Any, Any] | None:
+    """Saved state key -> target state key, when `target` (a dict) and the saved dict `node` are
+    optimizer state dicts keyed the two different ways; None otherwise (the keys then meet as they are)."""
+    if not isinstance(target, Mapping) or not isinstance(target.get("param_groups"), list):
+        return None
+    saved = dict(node.get("dict", ()))
+    if "state" not in saved or "param_groups" not in saved:
+        return None
+    mine = _saved_params(saved["param_groups"])
+    theirs = [g.get("params") if isinstance(g, Mapping) else None for g in target["param_groups"]]
+    if mine is None or len(mine) != len(theirs) or any(not isinstance(t, list) or len(t) != len(m) for t, m in zip(theirs, mine)):
+        return None
+    flat_saved = [p for group in mine for p in group]
+    flat_target = [p for group in theirs for p in group]  # type: ignore[union-attr]
+    kinds = ({type(p) for p in flat_saved}, {type(p) for p in flat_target})
+    if kinds not in (({int}, {str}), ({str}, {int})) or len(set(flat_saved)) != len(flat_saved) or len(set(flat_target)) != len(flat_target):
+        return None
+    return dict(zip(flat_saved, flat_target))
+
+
+def _saved_params(groups: dict) -> list[list[Any]] | None:
+    """Each saved param group's `params` list of plain values, from the saved tree."""
+    out = []
+    for group in groups.get("list", ()):
+        params = dict(group.get("dict", ())).get("params") if isinstance(group, dict) else None
+        if not isinstance(params, dict) or "list" not in params or not all("value" in p for p in params["list"]):
+            return None
+        out.append([p["value"] for p in params["list"]])
+    return out or None
