@@ -30,7 +30,7 @@ from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog, collect, pins
 from checkpointing.tier import lock as writer_lock
 from checkpointing.tier.tierfile import read_tier_id
-from checkpointing.tier.verify import missing_files, verify_step
+from checkpointing.tier.verify import in_short, missing_files, verify_step
 
 # (column, row key, drop: 0 only with --wide, what it means)
 _LS_SIZES = (("size", "bytes", 1, "size: the step's state"), ("new", "new", 3, "new: written by its save (incremental saves reuse the rest)"),
@@ -82,7 +82,7 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
                     row["metrics"] = dict(manifests[step].metrics)  # save(..., metrics=...)
                 lost = missing_files(storage, manifests[step])
                 if lost:
-                    row["state"], row["error"] = "damaged", f"{lost[0]}{f' (and {len(lost) - 1} more)' if len(lost) > 1 else ''}: run checkpointing verify"
+                    row["state"], row["error"] = "damaged", f"{in_short(lost)}: run checkpointing verify"
             except CheckpointError as exc:
                 row["state"] = "damaged"
                 row["error"] = str(exc)

@@ -29,7 +29,7 @@ from checkpointing.restore.reading import ReadBox, Sources, read_box
 from checkpointing.storage import Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.tierfile import read_tier_id
-from checkpointing.tier.verify import missing_files
+from checkpointing.tier.verify import in_short, missing_files
 
 @dataclasses.dataclass(frozen=True)
 class OpenStep:
@@ -95,9 +95,9 @@ def check_extent(storage: Storage, manifest: Manifest) -> None:
                             f"{storage.url}/{c.file} lie past its end ({sizes[c.file]} bytes): the file is truncated or the "
                             "manifest damaged; export another step"
                         )
-    lost = missing_files(storage, manifest)
+    lost = missing_files(storage, manifest, found)
     if lost:
-        raise CheckpointCorruptError(f"step {manifest.step}: {lost[0]}{f' (and {len(lost) - 1} more)' if len(lost) > 1 else ''}; "
+        raise CheckpointCorruptError(f"step {manifest.step}: {in_short(lost)}; "
                                      "export another step, or from another tier that holds this one (`checkpointing verify` checks every byte)")
     if manifest.nbytes > sum(sizes.values()):
         raise CheckpointCorruptError(

@@ -112,7 +112,8 @@ class SaveIssuer:
             )
         eager = eager if eager is not None else self._options.snapshot == "eager"
         watched = frozenset[int]()
-        if not eager and isinstance(state, Mapping):  # (not a Mapping: flatten_state says what to pass)  # plain tensors of watched optimizers (state dicts) copy as late as the objects do
+        # plain tensors of watched optimizers (state dicts) copy as late as the objects do (not a Mapping: flatten_state says what to pass)
+        if not eager and isinstance(state, Mapping):
             self._stepped.saw_in(state)
             watched = self._stepped.storages()
         return flatten_state(state, codecs=self._options.codecs, eager=eager, watched=watched)

@@ -12,7 +12,7 @@ import dataclasses
 from checkpointing.tier import catalog
 from checkpointing.errors import CheckpointError
 from checkpointing.tier.tierfile import read_tier_id
-from checkpointing.format.manifest import ChunkHasher, ChunkRef, Manifest, ShardEntry
+from checkpointing.format.manifest import ChunkHasher, ChunkRef, Manifest
 from checkpointing.storage import Storage
 
 PIECE_BYTES = 8 << 20  # the most verify holds of one chunk at a time
@@ -31,10 +31,11 @@ class StepReport:
         return not self.problems
 
 
-def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
+def missing_files(storage: Storage, manifest: Manifest, sizes: dict[str, int | None] | None = None) -> list[str]:
     """A line per data file of the step this tier should hold that is missing, not a regular file or of
     the wrong size: what can be told without reading the data (one size per file; an object store
-    lists each directory instead). `inspect` and `ls` show them; verify_step checks every byte."""
+    lists each directory instead; `sizes`: those already asked, the rest are asked here).
+    `inspect`, `ls` and export show them; verify_step checks every byte."""
     here = read_tier_id(storage)
     # the sizes each file may have: a local tier holds whole files, the remote tier (no id) at least their primary prefix
     expected = {f.path: (f.nbytes if here is not None else f.primary_bytes, f.nbytes)
@@ -46,20 +47,20 @@ def missing_files(storage: Storage, manifest: Manifest) -> list[str]:
                     end = max(expected.get(c.file, (0, 0))[0], c.offset + c.length)
                     expected[c.file] = (end, 1 << 62)
     bad = []
-    sizes = storage.sizes(sorted(expected))
+    asked = dict(sizes or {})
+    rest = sorted(set(expected) - asked.keys())
+    if rest:
+        asked.update(storage.sizes(rest))
     for path, (lo, hi) in sorted(expected.items()):
-        found = sizes[path]
+        found = asked[path]
         if found is None or not lo <= found <= hi:
             bad.append(f"{storage.url}/{path}: " + ("missing or not a regular file" if found is None else f"{found} bytes, expected {lo}"))
     return bad
 
 
-def _held(shard: ShardEntry, here: str | None, tier_of: dict[str, str]) -> list[tuple[ChunkRef, ...]]:
-    """The shard's copies a tier holds: the primary one on a tier without an id (the remote tier, which
-    holds every primary copy), else those the file table places on `here` (none: another local tier's)."""
-    if here is None:
-        return [shard.chunks]
-    return [c for c in shard.copies() if not c or tier_of.get(c[0].file, "") in ("", here)]
+def in_short(lost: list[str]) -> str:
+    """missing_files' answer in one line: the first file, and how many more."""
+    return lost[0] + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
 
 
 def verify_step(storage: Storage, step: int) -> StepReport:
@@ -80,10 +81,13 @@ def verify_step(storage: Storage, step: int) -> StepReport:
     reader = _ChunkReader(storage)
     for entry in manifest.tensors:
         for shard in entry.shards:
-            copies = _held(shard, here, tier_of)
-            if not copies:
-                elsewhere += 1
-                continue
+            if here is None:
+                copies = [shard.chunks]
+            else:
+                copies = [c for c in shard.copies() if not c or tier_of.get(c[0].file, "") in ("", here)]
+                if not copies:
+                    elsewhere += 1
+                    continue
             for copy in copies:
                 for c in copy:
                     where = f"step {step}, tensor {entry.key!r}, {c.file} bytes {c.offset}..{c.offset + c.length}"
