@@ -135,7 +135,7 @@ class CheckpointMismatchError(CheckpointError):
     def __init__(self, step: int, problems: list[str]) -> None:
         self.step = step
         self.problems = list(problems)
-        lines = "\n  - ".join(self.problems)
+        lines = "\n  - ".join(problem_lines(self.problems))
         super().__init__(
             f"checkpoint step {step} does not match the state passed to restore "
             f"({len(self.problems)} problem(s)):\n  - {lines}\n"
@@ -143,6 +143,36 @@ class CheckpointMismatchError(CheckpointError):
             "restore(..., only=[...]) or exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'; "
             "checkpointing.load(path, keys=...) / exclude=... the same); checkpointing.load(path) shows what the step holds."
         )
+
+
+_RUN_MIN = 4  # sibling keys with one message shown as one line from this many on
+_LINES_MAX = 40
+
+
+def problem_lines(problems: list[str]) -> list[str]:
+    """Problems ("key: what") as lines a reader takes in: a run of sibling keys with the same message
+    (an RNG state's 624 words) as one line naming the first and last key and how many; at most
+    _LINES_MAX lines, the rest counted (the error's `problems` keeps every one)."""
+    lines: list[str] = []
+    i = 0
+    while i < len(problems):
+        key, sep, what = problems[i].partition(": ")
+        parent = key.rpartition("/")[0]
+        j = i + 1
+        while sep and parent and j < len(problems):
+            k, s2, w = problems[j].partition(": ")
+            if not (s2 and w == what and k.rpartition("/")[0] == parent):
+                break
+            j += 1
+        if j - i >= _RUN_MIN:
+            last = problems[j - 1].partition(": ")[0]
+            lines.append(f"{key} ... {last} ({j - i} keys under {parent}/): {what}")
+        else:
+            lines.extend(problems[i:j])
+        i = j
+    if len(lines) > _LINES_MAX:
+        lines = lines[:_LINES_MAX - 1] + [f"... and {len(lines) - _LINES_MAX + 1} more (the error's .problems lists every one)"]
+    return lines
 
 
 class CheckpointNotFoundError(CheckpointError, LookupError):

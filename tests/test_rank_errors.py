@@ -15,8 +15,10 @@ from checkpointing.errors import (
     CoordinationTimeout,
     RanksFailedError,
     UploadRanksFailed,
+    CheckpointMismatchError,
     cause_groups,
     group_by_cause,
+    problem_lines,
     rank_ranges,
 )
 
@@ -34,6 +36,27 @@ from checkpointing.errors import (
 ])
 def test_rank_ranges(ranks, text):
     assert rank_ranges(ranks) == text
+
+
+def test_a_run_of_sibling_keys_with_one_message_reads_as_one_line():
+    # an RNG state's Mersenne words, each saved per rank, restored on another world size
+    per_rank = "saved per rank (the 2 saving ranks hold different values)"
+    problems = ["model/weight: missing", *(f"rng/python/state/{i}: {per_rank}" for i in range(1, 624)),
+                "rng/numpy/keys: " + per_rank, "a/0: x", "a/1: x", "a/2: x"]
+    lines = problem_lines(problems)
+    assert lines == ["model/weight: missing",
+                     f"rng/python/state/1 ... rng/python/state/623 (623 keys under rng/python/state/): {per_rank}",
+                     "rng/numpy/keys: " + per_rank, "a/0: x", "a/1: x", "a/2: x"]  # three are listed as they are
+    err = CheckpointMismatchError(7, problems)
+    assert err.problems == problems and "(628 problem(s))" in str(err) and "rng/python/state/5:" not in str(err)
+    assert "model/weight: missing" in str(err) and "rng/numpy/keys" in str(err)
+
+
+def test_a_long_list_of_different_problems_is_cut_and_counted():
+    problems = [f"k{i}: missing in the checkpoint" for i in range(100)]
+    lines = problem_lines(problems)  # top-level keys: each its own line, then cut
+    assert len(lines) == 40 and lines[0] == problems[0] and lines[38] == problems[38]
+    assert lines[-1] == "... and 61 more (the error's .problems lists every one)"
 
 
 def test_the_same_cause_on_every_rank_reads_once():
