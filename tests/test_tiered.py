@@ -271,12 +271,22 @@ def test_a_process_killed_while_uploading_restarts_the_upload_from_the_local_cop
         child.wait()
     remote = remote_of(s3_bucket)
     assert catalog.list_steps(remote).committed == []
-    with manager(local, s3_bucket) as mgr:
+    assert any(n.startswith("PIN.") for n in remote.list("step-0000000001"))  # the killed upload's
+    with manager(local, s3_bucket, keep_remote=1) as mgr:
         mgr.wait()
         assert mgr.tiers() == {1: "local+remote"}
+        target = {"w": torch.zeros(4 << 20)}
+        assert mgr.restore(target) == 1
+        for step in (2, 3):  # unchanged bytes: step 1's data file stays, borrowed, after keep_remote retires step 1
+            mgr.save(step, target).wait()
+    # the killed upload's pin went with step 1's retirement: nothing on the tier claims a save in flight
+    assert catalog.list_steps(remote).committed == [3]
+    for s in catalog.list_steps(remote).incomplete:
+        assert not [n for n in remote.list(naming.step_dir(s)) if n.startswith("PIN.")], s
+    assert collect.collect(remote, dry_run=True, scan_committed=False).pinned == []
     target = {"w": torch.zeros(4 << 20)}
     with manager(tmp_path / "elsewhere", s3_bucket) as mgr:
-        assert mgr.restore(target) == 1 and torch.equal(target["w"], torch.arange(4 << 20, dtype=torch.float32))
+        assert mgr.restore(target) == 3 and torch.equal(target["w"], torch.arange(4 << 20, dtype=torch.float32))
 
 
 def test_a_damaged_local_copy_is_read_from_the_remote_tier(tmp_path, s3_bucket, caplog):

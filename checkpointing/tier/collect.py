@@ -179,10 +179,18 @@ class _Refs:
 
 
 def _retire(storage: Storage, retire: list[int], dry_run: bool) -> catalog.StepListing:
-    """G1: remove the COMMIT of each step to retire (a dry run removes nothing), then list the steps."""
+    """G1: remove the COMMIT of each step to retire, and the pins in its directory (a dry run removes
+    nothing), then list the steps. A committed step is saved by no one (saving a committed step is
+    refused), so a pin there is a writer's that died between its commit and the pin's removal, or an
+    interrupted upload's that a later process resumed and committed; left, it would hold the retired
+    step's files as "a save in flight" until some writer's next start."""
     if not dry_run:
         for step in retire:
             storage.delete(naming.commit_name(step))
+            sdir = naming.step_dir(step)
+            for name in storage.list(sdir):
+                if name.startswith(PIN_PREFIX):
+                    storage.delete(f"{sdir}/{name}")
     return catalog.list_steps(storage)
 
 
