@@ -132,17 +132,20 @@ class CheckpointCorruptError(CheckpointError):
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the target state: every problem is listed at once."""
 
-    def __init__(self, step: int, problems: list[str]) -> None:
+    def __init__(self, step: int, problems: list[str], *, load: bool = False) -> None:
         self.step = step
         self.problems = list(problems)
         lines = "\n  - ".join(problem_lines(self.problems))
-        super().__init__(
-            f"checkpoint step {step} does not match the state passed to restore "
-            f"({len(self.problems)} problem(s)):\n  - {lines}\n"
-            "Pass the same kinds of objects that were saved, or name what to restore: "
-            "restore(..., only=[...]) or exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'; "
-            "checkpointing.load(path, keys=...) / exclude=... the same); checkpointing.load(path) shows what the step holds."
-        )
+        if load:  # checkpointing.load(): no target, only the selection and rank asked for
+            head, fix = "cannot be read as load() was asked", (
+                "Name what to read with keys=[...] / exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'), "
+                "and rank=r for values each rank saved for itself; checkpointing.load(path) shows what the step holds.")
+        else:
+            head, fix = "does not match the state passed to restore", (
+                "Pass the same kinds of objects that were saved, or name what to restore: "
+                "restore(..., only=[...]) or exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'; "
+                "checkpointing.load(path, keys=...) / exclude=... the same); checkpointing.load(path) shows what the step holds.")
+        super().__init__(f"checkpoint step {step} {head} ({len(self.problems)} problem(s)):\n  - {lines}\n{fix}")
 
 
 _RUN_MIN = 4  # sibling keys with one message shown as one line from this many on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import sys
@@ -192,6 +193,8 @@ def test_json_has_stable_documented_keys(records):
     assert list(doc) == ["schema", "source", "plot", "saves", "summary", "advice"]
     assert doc["schema"] == "checkpointing.report/1" and doc["source"] == "ckpt" and doc["plot"] is None
     assert all(tuple(row) == summary.SAVE_KEYS for row in doc["saves"])
+    # field for field: every SaveStats field (chunks_damaged, to alert on, among them)
+    assert set(summary.SAVE_KEYS) == {f.name for f in dataclasses.fields(SaveStats)}
     assert [row["ok"] for row in doc["saves"]] == [True, True, False, True, True]
     assert set(doc["summary"]) == {"saves", "ok", "failed", "stall_s", "total_s", "cost_s", "step_stall_s", "slowdown_s",
                                    "overhead_pct", "write_bytes_per_s", "upload_bytes_per_s", "bytes_written",

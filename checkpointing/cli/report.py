@@ -114,7 +114,7 @@ def summary_view(summary: Summary, *, width: int | None = None) -> tables.View:
         extra += [("checkpoint cost C (median)", fmt.seconds(a.cost_s)), ("MTBF", f"{a.mtbf_s / 3600:.2f} h"),
                   ("Young interval sqrt(2CM)", fmt.seconds(a.young_s)), ("Daly interval (recommended)", fmt.seconds(a.daly_s)),
                   ("expected lost time at Daly", fmt.percent(a.lost_fraction * 100) if a.lost_fraction is not None else ""),
-                  ("save every", f"{a.every_steps} steps" if a.every_steps is not None else "")]
+                  ("save every", (f"{a.every_steps} step" + ("s" if a.every_steps != 1 else "")) if a.every_steps is not None else "")]
     totals = [[Text(label), Text(value)] for label, value in extra if value]
     if not totals:
         return spread_view
@@ -213,7 +213,7 @@ def _draw_timeline(ax: Axes, records: Sequence[Record], steps: list[tuple[float,
     ax.set_xlim(0.0, max(ends, default=1.0) * 1.02 or 1.0)
     note = " (save times not recorded: saves laid out in sequence)" if sequential and records else ""
     ax.set_xlabel("seconds since first record" + note)
-    ax.set_title("timeline: step times and save phases")
+    ax.set_title("timeline: step times and save phases" if steps else "timeline: save phases (no step times recorded)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
 

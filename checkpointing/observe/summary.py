@@ -36,9 +36,12 @@ Record = Mapping[str, Any]  # one metrics record: a JSON object, as SaveStats.as
 
 JSON_SCHEMA = "checkpointing.report/1"
 # every save row of to_json() has exactly these keys (null when the record lacks the field)
-SAVE_KEYS = ("step", "rank", "world_size", "ok", "error", "time", "tier", "wait_prev_s", "stall_s", "guard_wait_s", "snapshot_s",
-             "write_s", "commit_s", "upload_s", "total_s", "bytes_total", "bytes_written", "bytes_reused",
-             "write_bytes_per_s", "upload_bytes_per_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s",
+# (every field of SaveStats: the report is the records of mgr.stats(), field for field)
+SAVE_KEYS = ("step", "rank", "world_size", "ok", "committed", "error", "time", "tier", "wait_prev_s", "stall_s", "guard_wait_s",
+             "snapshot_s", "write_s", "commit_s", "upload_s", "total_s", "bytes_total", "bytes_written", "bytes_reused",
+             "bytes_unwritten", "bytes_deferred", "chunks_total", "chunks_reused", "bytes_reverified", "chunks_reverified",
+             "chunks_damaged", "staging_bytes", "bytes_uploaded", "bytes_upload_reused", "write_bytes_per_s",
+             "upload_bytes_per_s", "yielded_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s",
              "time_to_first_durable_s")
 
 

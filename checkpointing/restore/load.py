@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from checkpointing.errors import CheckpointConfigError, CheckpointError, CheckpointNotFoundError
+from checkpointing.errors import CheckpointConfigError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpointing.restore.planner import Sources, execute, plan_restore
 from checkpointing.restore.selection import Selection
 from checkpointing.state.codecs import Codec
@@ -54,7 +54,10 @@ def load(
         raise CheckpointConfigError(f"rank={rank}: step {step} was saved by {manifest.world_size} rank(s) (0..{manifest.world_size - 1})")
     select = Selection.of(True, keys, exclude, take_all=True)
     world = manifest.world_size if rank is not None else 1
-    plan = plan_restore({}, manifest, rank=rank or 0, world_size=world, codecs=tuple(codecs), select=select)
+    try:
+        plan = plan_restore({}, manifest, rank=rank or 0, world_size=world, codecs=tuple(codecs), select=select)
+    except CheckpointMismatchError as exc:  # worded for load(): there is no state passed to restore
+        raise CheckpointMismatchError(exc.step, exc.problems, load=True) from None
     here = read_tier_id(storage)
     if here is None:  # a remote tier (or a directory that never held a writer's TIER id): every primary copy
         sources = Sources(manifest, None, "", remote=storage)
