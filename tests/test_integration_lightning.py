@@ -12,6 +12,8 @@ import copy
 import logging
 import math
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,41 @@ def test_aliases_and_removal_through_the_io_calls(tmp_path):
     io.teardown()
     assert _steps(tmp_path / "store") == [9] and _pointers(tmp_path / "ckpts") == {"c.ckpt": 9}
     assert_same(checkpointing.load(tmp_path / "store", 9, exclude="_lightning_checkpoint_io")["state_dict"], weights)
+
+
+_RELEASE_THEN_DIE = r"""
+import sys, time, torch
+from checkpointing.integrations.lightning import LightningCheckpointIO
+store, ckpts, remote = sys.argv[1:4]
+io = LightningCheckpointIO(store, remote=remote, upload_bytes_per_s=200e3)
+io.save_checkpoint({"global_step": 5, "state_dict": {"w": torch.zeros(8)}}, ckpts + "/a.ckpt")
+io.manager.wait()
+while not io._steps[5].settled.is_set():
+    time.sleep(0.01)  # its pointer is written
+big = {"w": torch.randn(1 << 19, generator=torch.Generator().manual_seed(1))}  # 2 MB: ~10 s of upload at 200 kB/s
+io.save_checkpoint({"global_step": 7, "state_dict": big}, ckpts + "/b.ckpt")
+io.remove_checkpoint(ckpts + "/a.ckpt")  # save_top_k moves on while step 7 is in flight: step 5 is released
+print("released", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_step_released_while_a_save_was_in_flight_is_deleted_by_the_next_run_after_a_crash(tmp_path):
+    store, ckpts, remote = tmp_path / "store", tmp_path / "ckpts", (tmp_path / "remote").as_uri()
+    child = subprocess.Popen([sys.executable, "-c", _RELEASE_THEN_DIE, str(store), str(ckpts), remote], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    try:
+        assert child.stdout.readline().strip() == "released"
+    finally:
+        child.kill()  # SIGKILL: no teardown
+        child.wait()
+    assert 5 in _steps(store) and not (ckpts / "a.ckpt").exists()  # no pointer names it; only the record does
+    assert ptr.read_released(str(store)) == {5}
+    io = LightningCheckpointIO(store, remote=remote)  # the next run
+    io.save_checkpoint({"global_step": 9, "state_dict": {"w": torch.ones(8)}}, ckpts / "c.ckpt")
+    io.teardown()
+    assert 5 not in _steps(store) and 9 in _steps(store) and _pointers(ckpts) == {"c.ckpt": 9}
+    assert not (store / ptr.RELEASED_NAME).exists()
 
 
 class Opaque:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import secrets
+import stat
 import threading
 from typing import Any, Iterator
 
@@ -26,6 +27,7 @@ from checkpointing.errors import CheckpointError
 
 MAGIC = "lightning_checkpoint_io"
 VERSION = 1
+RELEASED_NAME = "lightning-released.json"  # in the manager directory: steps released, not yet deleted
 MAX_POINTER_BYTES = 8 << 20  # a pointer with overrides is a few KiB; anything larger is not one of ours
 _HEAD = ('{"%s":' % MAGIC).encode()
 
@@ -46,11 +48,36 @@ def new_save_id() -> str:
 
 def write_pointer(path: str, pointer: Pointer) -> None:
     """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
     body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
             "overrides": pointer.overrides}
-    data = json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+    _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
+
+
+def read_released(directory: str) -> set[int]:
+    """The steps of the manager directory `directory` an earlier LightningCheckpointIO released (no pointer
+    named them any more) and had not deleted yet when it stopped (a crash while a save was in flight)."""
+    try:  # never through a link, never a FIFO's blocking read
+        fd = os.open(os.path.join(directory, RELEASED_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            body = json.loads(f.read(MAX_POINTER_BYTES)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        steps = body["released"] if isinstance(body, dict) and body.get(MAGIC) == VERSION else []
+        return {s for s in steps if isinstance(s, int) and not isinstance(s, bool) and s >= 0}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()  # none, or not ours: nothing is deleted for it
+
+
+def write_released(directory: str, steps: set[int]) -> None:
+    """Record `steps` as released (read_released); none: the record goes."""
+    path = os.path.join(directory, RELEASED_NAME)
+    if steps:
+        _write_atomic(path, json.dumps({MAGIC: VERSION, "released": sorted(steps)}).encode())
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:

@@ -31,6 +31,10 @@ from checkpointing.format.dtypes import dtype_from_name, dtype_name
 from checkpointing.state.codecs import Codec
 from checkpointing.state.tree import flatten_state
 
+CODEC_HINT = ("LightningCheckpointIO never pickles: give it a codec for that type (LightningCheckpointIO(dir, codecs=[codec]), "
+              "a checkpointing.Codec: name, types, encode(obj) -> JSON-like data, decode(data)), or keep the value out of "
+              "the checkpoint (self.save_hyperparameters(ignore=[...]))")
+
 
 # ---------------------------------------------------------------------------------------------- overrides
 

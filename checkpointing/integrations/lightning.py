@@ -29,7 +29,8 @@ records an alias, whose pointer also carries the small entries that may differ (
 remove_checkpoint(path) removes the pointer (or the alias waiting for its commit); an overwritten
 pointer (`last.ckpt` moves on) releases its old step too. The step goes (mgr.delete, reference-safe)
 once no pointer in a directory this object wrote to or read from, and no alias waiting, names it;
-that never waits for a save: it runs at the next call (or teardown) with no save in flight.
+that never waits for a save: it runs at the next call (or teardown) with no save in flight. Until
+then the directory's `lightning-released.json` lists it: after a crash the next run deletes it.
 
 A save at a step an earlier run committed, other than the step this object loaded (a resume from
 an older checkpoint trains over newer steps), replaces it, as Torch's IO overwrites a file: the old
@@ -82,9 +83,6 @@ log = logging.getLogger("checkpointing")
 ID_KEY = "_lightning_checkpoint_io"  # stored in every step: {"save_id": ...}, checked against the pointer at load
 BULK = frozenset({"state_dict", "optimizer_states"})  # never in an alias's overrides: equal at one global step
 MAX_OVERRIDE_BYTES = 1 << 20
-_CODEC_HINT = ("LightningCheckpointIO never pickles: give it a codec for that type (LightningCheckpointIO(dir, codecs=[codec]), "
-               "a checkpointing.Codec: name, types, encode(obj) -> JSON-like data, decode(data)), or keep the value out of "
-               "the checkpoint (self.save_hyperparameters(ignore=[...]))")
 
 
 class LightningCheckpointIO(CheckpointIO):
@@ -157,7 +155,7 @@ class LightningCheckpointIO(CheckpointIO):
         try:
             entry.handle = mgr.save(step, {**checkpoint, ID_KEY: {"save_id": entry.save_id}})
         except StateError as exc:
-            raise StateError(f"{exc}{vals.namespaces_hint(exc, checkpoint)}. {_CODEC_HINT}") from exc
+            raise StateError(f"{exc}{vals.namespaces_hint(exc, checkpoint)}. {vals.CODEC_HINT}") from exc
         except CheckpointSaveError as exc:  # an earlier save failed: the manager reports it here
             with self._lock:
                 self._reported.add(exc.step)
@@ -273,6 +271,7 @@ class LightningCheckpointIO(CheckpointIO):
             vals.check_one_writer(self._options)
             self._mgr = CheckpointManager(self.directory, codecs=self._codecs, **self._options)
             self._on_disk = set(self._mgr.steps())
+            self._doomed |= ptr.read_released(self.directory) & self._on_disk  # an earlier run's, which stopped before deleting them
         return self._mgr
 
     def _overrides(self, checkpoint: Mapping[str, Any], target: str) -> dict | None:
@@ -283,7 +282,7 @@ class LightningCheckpointIO(CheckpointIO):
         try:
             return vals.encode_entries(small, self._codecs)
         except StateError as exc:
-            raise StateError(f"{exc} (saving {target}){vals.namespaces_hint(exc, checkpoint)}. {_CODEC_HINT}") from exc
+            raise StateError(f"{exc} (saving {target}){vals.namespaces_hint(exc, checkpoint)}. {vals.CODEC_HINT}") from exc
 
     def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
         """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
@@ -343,10 +342,15 @@ class LightningCheckpointIO(CheckpointIO):
         return steps
 
     def _collect(self) -> None:
-        """Delete the doomed steps nothing refers to, when no save is in flight (training thread)."""
+        """Delete the doomed steps nothing refers to, when no save is in flight (training thread); while one
+        is, record them in the directory (ptr.write_released): a crash leaves them to the next run's first call."""
         mgr = self._mgr
         with self._lock:
-            if mgr is None or not self._doomed or any(e.in_flight() for e in self._steps.values()):
+            if mgr is None or not self._doomed:
+                return
+            if any(e.in_flight() for e in self._steps.values()):
+                ptr.write_released(self.directory, {s for s in self._doomed - self._referenced() if s in self._on_disk
+                                                    and not (s in self._steps and self._steps[s].in_flight())})
                 return
             doomed, self._doomed = self._doomed - self._referenced(), set()
         for step in sorted(doomed):
@@ -358,6 +362,7 @@ class LightningCheckpointIO(CheckpointIO):
             with self._lock:
                 self._on_disk.discard(step)
                 self._steps.pop(step, None)
+        ptr.write_released(self.directory, set())
 
     def _replace(self, step: int) -> None:
         """A save at `step`, committed by an earlier run: delete the old step and the pointers naming it."""
