@@ -117,6 +117,21 @@ def test_safetensors_export_round_trips_through_import_with_its_tied_weights(tmp
     assert stats.bytes_reused == stats.bytes_total
 
 
+def test_a_torch_export_imports_back_into_the_layout_it_was_saved_in(tmp_path):
+    from checkpointing.interop import export_torch
+
+    model, weird = _model(0), {"a/b": torch.arange(3.0), "100%": torch.ones(2)}  # "/" and "%" inside one key's name
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, {"model": model, "extra": weird, "epoch": 7}).wait()
+    export_torch(tmp_path / "run", tmp_path / "full.pt")
+    assert import_checkpoint(tmp_path / "full.pt", tmp_path / "ck", 3).source_kind == "torch"
+    fresh, extra = _model(1), {"a/b": torch.zeros(3), "100%": torch.zeros(2)}
+    with CheckpointManager(tmp_path / "ck") as mgr:  # the export holds tensors only: the epoch stays out
+        assert mgr.restore({"model": fresh, "extra": extra}) == 3
+    _same_params(model, fresh)
+    assert torch.equal(extra["a/b"], weird["a/b"]) and torch.equal(extra["100%"], weird["100%"])
+
+
 def test_sharded_hugging_face_directory_imports_as_one_step(tmp_path, run_cli, offline):
     model = _gpt2(0)
     model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

@@ -8,7 +8,9 @@ What SRC is decides how it is read (`detect`):
   values (torch.load(weights_only=False)); importing a DCP checkpoint can run code its author put
   there. Import only DCP checkpoints you trust.
 - "torch": a torch.save file, read with torch.load(weights_only=True) (no arbitrary objects),
-  memory-mapped when it is a zip file (what torch.save writes since 1.6).
+  memory-mapped when it is a zip file (what torch.save writes since 1.6). A file `export_torch`
+  wrote ({"step", "world_size", "tensors": {"model/0.weight": ...}}) comes back as the nested
+  state its keys name ({"model": {"0.weight": ...}}): its tensors restore where they were saved from.
 - "safetensors": a .safetensors file: {name: tensor}, memory-mapped.
 - "hf": a Hugging Face directory: the files its `*.safetensors.index.json` weight map names (read
   one after the other into the one state), else its single `*.safetensors` file.
@@ -26,6 +28,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -123,8 +126,20 @@ def _read_torch(src: Path, select: Selection) -> Loaded:
                                     "torch.save file") from None
     if not isinstance(obj, dict):
         obj = {"value": obj}  # import_checkpoint(..., under=KEY) names it
+    elif _exported(obj):  # export_torch's file: its keys ("model/0.weight") name the nested state they came from
+        state: dict[str, Any] = {}
+        for key, tensor in obj["tensors"].items():
+            _set(state, tuple(re.sub("%(25|2F)", lambda m: "%" if m.group(1) == "25" else "/", s) for s in key.split("/")), tensor)
+        obj = state
     keys: set[str] = set()
     return Loaded("torch", _select(obj, (), select, keys), keys=keys)
+
+
+def _exported(obj: dict) -> bool:
+    """The layout torch_export.py writes: {"step": int, "world_size": int, "tensors": {str: Tensor}}."""
+    tensors = obj.get("tensors")
+    return (set(obj) == {"step", "world_size", "tensors"} and isinstance(obj["step"], int) and isinstance(obj["world_size"], int)
+            and isinstance(tensors, dict) and all(isinstance(k, str) and k and isinstance(v, torch.Tensor) for k, v in tensors.items()))
 
 
 def _read_safetensors(src: Path, select: Selection, loaded: Loaded | None = None) -> Loaded:
