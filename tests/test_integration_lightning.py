@@ -267,6 +267,21 @@ def test_a_step_released_while_a_save_was_in_flight_is_deleted_by_the_next_run_a
     assert not (store / ptr.RELEASED_NAME).exists()
 
 
+def test_a_copied_run_loads_from_its_own_store(tmp_path):
+    import shutil
+
+    io = LightningCheckpointIO(tmp_path / "run" / "store")
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(4.0)}}, tmp_path / "run" / "ckpts" / "last.ckpt")
+    io.teardown()
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")  # the pointer still names the original store
+    with CheckpointManager(tmp_path / "run" / "store") as original:
+        original.delete(4, allow_latest=True)  # the original moves on: its step 4 is gone
+    copy = LightningCheckpointIO(tmp_path / "copy" / "store")
+    loaded = copy.load_checkpoint(tmp_path / "copy" / "ckpts" / "last.ckpt")  # the copy's own step 4, same save
+    assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], torch.arange(4.0))
+    copy.teardown()
+
+
 class Opaque:
     def __init__(self, value: int) -> None:
         self.value = value

@@ -23,6 +23,7 @@ import stat
 import threading
 from typing import Any, Iterator
 
+import checkpointing
 from checkpointing.errors import CheckpointError
 
 MAGIC = "lightning_checkpoint_io"
@@ -51,6 +52,14 @@ def write_pointer(path: str, pointer: Pointer) -> None:
     body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
             "overrides": pointer.overrides}
     _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
+
+
+def holds(directory: str, step: int, save_id: str, key: str) -> bool:
+    """Whether the manager directory `directory` holds `step` as saved by save `save_id` (its `key` entry)."""
+    try:
+        return checkpointing.load(directory, step, keys=key).get(key, {}).get("save_id") == save_id
+    except (CheckpointError, OSError, AttributeError):
+        return False
 
 
 def read_released(directory: str) -> set[int]:

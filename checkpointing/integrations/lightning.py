@@ -177,8 +177,9 @@ class LightningCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{target} is not a LightningCheckpointIO pointer file (a torch.save checkpoint?): "
                                   "LightningCheckpointIO never unpickles; load it with Lightning's TorchCheckpointIO, or "
                                   "import it first: checkpointing import SRC DEST")
-        # the directory the pointer names; if it is gone (the checkpoints were moved), ours (the save id tells)
-        directory = pointer.directory if os.path.isdir(pointer.directory) else self.directory
+        # ours when it holds that save (the run was copied or moved; the save id tells), else the one the pointer names
+        ours_too = pointer.directory != self.directory and ptr.holds(self.directory, pointer.step, pointer.save_id, ID_KEY)
+        directory = self.directory if ours_too or not os.path.isdir(pointer.directory) else pointer.directory
         ours = directory == self.directory
         with self._lock:
             entry = self._steps.get(pointer.step) if ours else None
