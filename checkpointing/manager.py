@@ -70,6 +70,7 @@ from checkpointing.training.loop import StepScope, TrainingLoop
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from checkpointing.save.job import UploadJob
 
 __all__ = ["CheckpointManager", "SaveHandle", "StepScope"]
 
@@ -155,10 +156,13 @@ class CheckpointManager:
         retention = LocalRetention(self.storage, options.local_retention, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending,
                                    held=self._peers.held, spares=writers)
         self._uploader: Uploader | None = None
+        resumed: list[UploadJob] = []
         if self.remote_storage is not None and not options.read_only:  # collective: the ranks agree on interrupted uploads to resume
             self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.remote_retention,
                                                      on_finish=AfterUpload(self._records, retention), pending=pending, yield_s=options.yield_s)
             self._inflight.resumed(resumed)
+        if not options.read_only:  # a record for each save a killed process committed and did not record
+            self._records.recover(self.storage, resumed={j.step for j in resumed}, remote=self._uploader)
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
                                   records=self._records, retention=retention, uploader=self._uploader,
                                   reverify_every=options.reverify_every, reverify_bytes_per_s=options.reverify_bytes_per_s,
@@ -208,10 +212,7 @@ class CheckpointManager:
         self._worker.settle(timeout)  # and the files of the steps retention retired are removed
 
     def wait_staged(self) -> None:
-        """Block until the in-flight snapshot no longer reads live tensors.
-
-        Call this before mutating saved tensors outside optimizer.step() (which is guarded already).
-        """
+        """Block until the in-flight snapshot no longer reads live tensors: call it before mutating saved tensors outside optimizer.step() (guarded already)."""
         self._inflight.wait_staged()
 
     def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True,
@@ -268,8 +269,7 @@ class CheckpointManager:
             return None if self._uploader is None else sorted(self._uploader.remote_steps())
 
     def latest_step(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return max(self.steps(), default=None)
 
     def stats(self) -> list[SaveStats]:
         """Each finished save's SaveStats, oldest first (the last 10,000; metrics.jsonl keeps them all); the

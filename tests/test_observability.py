@@ -481,3 +481,57 @@ def test_stats_keeps_the_newest_records_and_metrics_jsonl_keeps_all(tmp_path, mo
         assert [s.step for s in mgr.stats()] == [3, 4, 5]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]
+
+
+_KILLED_AFTER_COMMIT = textwrap.dedent(r"""
+    import sys, time, torch
+    from pathlib import Path
+    from checkpointing import CheckpointManager
+    local, remote = sys.argv[1], (sys.argv[2] or None)
+    mgr = CheckpointManager(local, remote=remote, upload_bytes_per_s=1e6 if remote else None)
+    w = torch.zeros(1 << 20)
+    for step in (1, 2):
+        mgr.step(step)  # marked steps: a record waits for the steps after its save
+        w += 1
+        h = mgr.save(step, {"w": w})
+        if step == 1:
+            h.wait()
+            for s in (2, 3):  # the steps after save 1 end: its record is final and written
+                mgr.step(100 + s)
+            mgr.step(200)
+    while not (Path(local) / "step-0000000002" / "COMMIT").exists():
+        time.sleep(0.01)
+    print("committed", flush=True)  # step 2's record is not final yet (and, with a remote tier, its upload not done)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_a_save_committed_by_a_killed_process_is_recorded_by_the_next_one(tmp_path, remote, capsys, monkeypatch):
+    local, url = tmp_path / "ck", (tmp_path / "remote").as_uri() if remote else ""
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_AFTER_COMMIT, str(local), url], stdout=subprocess.PIPE, text=True,
+                             env=child_env())
+    try:
+        assert child.stdout.readline().strip() == "committed"
+    finally:
+        child.kill()
+        child.wait()
+    lines = [json.loads(x) for x in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1]  # the killed process recorded step 1 only
+    with CheckpointManager(local, remote=url or None) as mgr:
+        mgr.wait()  # with a remote tier: the resumed upload of step 2
+        assert mgr.tiers()[2] == ("local+remote" if remote else "local")
+    lines = [json.loads(x) for x in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["recovered"]) for r in lines] == [(1, False), (2, True)]
+    rec = lines[1]
+    assert rec["ok"] and rec["committed"] and rec["tier"] == ("local+remote" if remote else "local")
+    assert rec["bytes_total"] == 4 << 20 and rec["bytes_written"] >= 4 << 20 and rec["stall_s"] is None and rec["total_s"] is None
+    assert (rec["upload_s"] is not None) == remote
+    with CheckpointManager(local, remote=url or None) as mgr:  # a third start records nothing again
+        pass
+    assert len((local / "metrics.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["report", str(local)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the notes wrap
+    assert "ok (recovered)" in out and "recovered: committed by a process killed" in out

@@ -72,14 +72,16 @@ def saves_view(records: Sequence[Record], title: str = "saves", *, wide: bool = 
     units = [_unit(kind, [number(r, key) for r in records]) for key, _, kind, _ in cols]
     columns += [tables.Column(header, unit.name, default=drop is not None, drop=drop or 0, note=_NOTES.get(key, ""))
                 for (key, header, _, drop), unit in zip(cols, units)]
-    columns.append(tables.Column("result", justify="left", flex=True, breaks=" /", min_width=30))
+    recovered = any(r.get("recovered") is True for r in records)
+    columns.append(tables.Column("result", justify="left", flex=True, breaks=" /", min_width=30,
+                                 note="recovered: committed by a process killed before recording it (its times unknown)" if recovered else ""))
     rows = []
     for r in records:
         row: list[tables.Cell] = [escape(str(r.get("step", "")))] + ([escape(str(r.get("rank", "")))] if ranks else [])
         row += [Text(str(r.get("tier") or ""))] if tier_names else []
         row += [unit(number(r, key)) for (key, _, _, _), unit in zip(cols, units)]
-        err = r.get("error")
-        row.append(Text("ok", style="green") if succeeded(r) else Text.assemble(("error", "red"), f" {err}" if err else ""))
+        err, mark = r.get("error"), " (recovered)" if r.get("recovered") is True else ""
+        row.append(Text("ok" + mark, style="green") if succeeded(r) else Text.assemble(("error", "red"), f" {err}" if err else "", mark))
         rows.append(row)
     return tables.fit(columns, rows, width=width, wide=wide, title=title)
 

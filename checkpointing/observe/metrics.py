@@ -66,6 +66,10 @@ class SaveStats:
         slowdown_s. overhead_pct: cost_s as a percentage of the training time since the previous save.
     time_to_first_durable_s: on the run's first successful save only: seconds from the manager's
         creation to this save being durable on every configured tier.
+    recovered: the record of a save whose process was killed before writing it (after its local
+        commit), written by the next manager on the directory from the step's manifest: its times
+        in the saving process (stall_s ... total_s) and staging_bytes are unknown (None); with a
+        remote tier, upload_s and the upload's bytes are the resumed upload's.
     """
 
     step: int
@@ -106,6 +110,7 @@ class SaveStats:
     bytes_deferred: int = 0
     yielded_s: float | None = None
     committed: bool = False
+    recovered: bool = False
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -140,6 +145,29 @@ def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> 
         os.write(fd, line.encode("utf-8"))
     finally:
         os.close(fd)
+
+
+def last_recorded_step(path: os.PathLike | str, rank: int, *, tail_bytes: int = 1 << 18) -> int | None:
+    """The step of the last record `rank` appended to the metrics file at `path` (None: no record of it),
+    from the file's last `tail_bytes` (all of it when they hold no record of that rank)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        size = os.fstat(fd).st_size
+        for start in dict.fromkeys((max(0, size - tail_bytes), 0)):
+            f.seek(start)
+            for line in reversed(f.read().splitlines()[1 if start else 0:]):  # a tail's first line may be cut
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("rank", 0) == rank and isinstance(rec.get("step"), int):
+                    return rec["step"]
+    return None
 
 
 def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ SAVE_KEYS = ("step", "rank", "world_size", "ok", "committed", "error", "time", "
              "bytes_unwritten", "bytes_deferred", "chunks_total", "chunks_reused", "bytes_reverified", "chunks_reverified",
              "chunks_damaged", "staging_bytes", "bytes_uploaded", "bytes_upload_reused", "write_bytes_per_s",
              "upload_bytes_per_s", "yielded_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s",
-             "time_to_first_durable_s")
+             "time_to_first_durable_s", "recovered")
 
 
 def load_records(path_or_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -15,11 +15,15 @@ import threading
 import time
 from typing import Any
 
-from checkpointing.errors import CheckpointUploadError
+from checkpointing.errors import CheckpointError, CheckpointUploadError
+from checkpointing.format import naming
 from checkpointing.observe.accounting import SaveAccounting
-from checkpointing.observe.metrics import SaveStats, log_save
+from checkpointing.observe.metrics import SaveStats, last_recorded_step, log_save
 from checkpointing.save.job import SaveJob, UploadJob
 from checkpointing.save.staging import StagingPool
+from checkpointing.save.uploader import Uploader
+from checkpointing.storage import Storage
+from checkpointing.tier import catalog
 
 log = logging.getLogger("checkpointing")
 
@@ -38,6 +42,9 @@ class SaveRecords:
         self._local, self._remote = local, remote
         self._lock = threading.Lock()
         self._stats: collections.deque[SaveStats] = collections.deque(maxlen=KEPT)
+        self._storage: Storage | None = None  # the local tier, once recover() ran
+        self._recovering: set[int] | None = None  # resumed uploads whose save has no record yet (None: before recover())
+        self._early: dict[int, UploadJob] = {}  # resumed uploads that ended before recover()
 
     def all(self) -> list[SaveStats]:
         with self._lock:
@@ -62,12 +69,60 @@ class SaveRecords:
             upload.error = CheckpointUploadError(upload.step, self._remote, upload.error)
         if upload.save is not None:
             self.record(upload.save, upload)
-        elif upload.error is not None:
+            return
+        with self._lock:
+            if self._recovering is None:
+                self._early[upload.step] = upload
+            elif upload.step in self._recovering:
+                self._recovering.discard(upload.step)
+                self._recovered_upload(upload)
+        if upload.error is not None:
             upload.error_reported = True  # a resumed upload: no save() of this process waits for it
             log.error("checkpointing: %s", upload.error)
         else:
             log.info("checkpointing: resumed upload of step %d finished (%.1f MB sent, %.1f MB were there already) -> %s",
                      upload.step, upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote)
+
+    def recover(self, storage: Storage, *, resumed: set[int], remote: Uploader | None) -> None:
+        """At start: a record (SaveStats.recovered) for each step committed on the local tier after the
+        last one this rank recorded there, whose process was killed before recording it; a step whose
+        upload is resumed (`resumed`) gets it once the upload ends. `remote`: the remote tier's uploader
+        (None: no remote tier), which knows the steps committed there. A rank with no record in the directory recovers
+        nothing (nothing tells its saves from steps copied in)."""
+        self._storage = storage
+        last = last_recorded_step(self._acct.sink.path, self._rank)
+        with self._lock:
+            self._recovering = {s for s in resumed if last is not None and s > last}
+            early, self._early = self._early, {}
+            for step in sorted(self._recovering & set(early)):
+                self._recovering.discard(step)
+                self._recovered_upload(early[step])
+        if last is None:
+            return
+        remote_steps = None if remote is None else remote.remote_steps()
+        for step in catalog.list_steps(storage).committed:
+            if step <= last or step in resumed:
+                continue
+            if remote_steps is None:
+                self._recovered(step, ok=True, tier="local")
+            elif step in remote_steps or step < max(remote_steps, default=-1):  # uploaded (and since pruned there)
+                self._recovered(step, ok=True, tier="local+remote")
+            else:
+                self._recovered(step, ok=False, tier="local", error="CheckpointUploadError: not uploaded (its process "
+                                "stopped first; the next save's upload carries what later steps need of it)")
+
+    def _recovered_upload(self, upload: UploadJob) -> None:
+        ok = upload.error is None
+        self._recovered(upload.step, ok=ok, tier="local+remote" if ok else "local", upload=upload,
+                        error=None if ok else f"{type(upload.error).__name__}: {upload.error}")
+
+    def _recovered(self, step: int, *, ok: bool, tier: str, error: str | None = None, upload: UploadJob | None = None) -> None:
+        stats = recovered_stats(self._storage, step, rank=self._rank, world_size=self._world_size, ok=ok, tier=tier, error=error,
+                                upload=upload)
+        if stats is not None:
+            self._acct.sink.emit(stats.as_dict(), now=True)
+            log.info("checkpointing: step %d was committed by a process that stopped before recording it: recorded now "
+                     "(recovered, from its manifest)", step)
 
     def _replace(self, job: SaveJob, old: SaveStats, new: SaveStats) -> None:
         """A save's record gained its step fields (SaveAccounting)."""
@@ -115,4 +170,34 @@ def stats_of(job: SaveJob, upload: UploadJob | None, *, staging_bytes: int, rank
         yielded_s=outcome.yielded_s if committed else None,
         staging_bytes=staging_bytes, time=inputs.wall_time, rank=rank, world_size=world_size,
         tier="local+remote" if ok and upload is not None else "local", committed=committed, **remote,
+    )
+
+
+def recovered_stats(storage: Storage | None, step: int, *, rank: int, world_size: int, ok: bool, tier: str,
+                    error: str | None = None, upload: UploadJob | None = None) -> SaveStats | None:
+    """What the manifest of committed `step` tells of `rank`'s save of it (SaveStats.recovered); None
+    when it cannot be read or another number of ranks saved it."""
+    try:
+        assert storage is not None
+        manifest, _ = catalog.committed_manifest(storage, step)
+        when = storage.mtime(naming.commit_name(step))
+    except (AssertionError, CheckpointError, OSError):
+        return None
+    if manifest.world_size != world_size:
+        return None
+    own = naming.step_dir(step) + "/"
+    mine = {f.path: f for f in manifest.files if f.rank == rank}
+    refs = [c for t in manifest.tensors for sh in t.shards for chunks in (sh.chunks, *sh.replicas) for c in chunks if c.file in mine]
+    reused = [c for c in refs if not c.file.startswith(own)]
+    remote: dict[str, Any] = {}
+    if upload is not None:
+        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, bytes_upload_reused=upload.bytes_present,
+                      upload_bytes_per_s=upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0)
+    return SaveStats(
+        step=step, ok=ok, error=error,
+        wait_prev_s=None, stall_s=None, guard_wait_s=None, snapshot_s=None, write_s=None, commit_s=None,  # type: ignore[arg-type]
+        total_s=None, bytes_total=sum(c.length for c in refs), bytes_reused=sum(c.length for c in reused),  # type: ignore[arg-type]
+        bytes_written=sum(f.nbytes for p, f in mine.items() if p.startswith(own)), write_bytes_per_s=None,  # type: ignore[arg-type]
+        staging_bytes=None, tier=tier, time=when, rank=rank, world_size=world_size, chunks_total=len(refs),  # type: ignore[arg-type]
+        chunks_reused=len(reused), committed=True, recovered=True, **remote,
     )
