@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from _dist import run_ranks
 from hostile import flip_bits
+import checkpointing
 from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager
 from checkpointing.storage import LocalStorage
 from checkpointing.tier import catalog
@@ -162,3 +163,70 @@ def test_two_ranks_fall_back_together_when_one_rank_finds_damage(tmp_path):
         assert "step 2" in msg and "overwritten" in msg, msg
         if rank == 0:
             assert "rank 1" in msg, msg  # rank 0 read its part clean: the message says who found the damage
+
+
+# ----------------------------------------------------------------------------- an unreadable COMMIT or manifest
+
+
+def _damage_commit_or_manifest(root: Path, step: int, how: str) -> None:
+    sdir = root / f"step-{step:010d}"
+    commit = sdir / "COMMIT"
+    if how == "torn_commit":
+        commit.write_bytes(commit.read_bytes()[:20])
+    elif how == "commit_link":
+        commit.unlink()
+        commit.symlink_to(root.parent / "elsewhere.json")
+    elif how == "commit_dir":
+        commit.unlink()
+        commit.mkdir()
+    elif how == "manifest_bit":
+        [manifest] = sdir.glob("manifest.*.json")
+        flip_bits(manifest, 40)
+    elif how == "junk_newer":  # one object of a step that never was
+        (root / f"step-{step + 10:010d}").mkdir()
+        (root / f"step-{step + 10:010d}" / "COMMIT").write_text("junk")
+
+
+@pytest.mark.parametrize("how", ["torn_commit", "commit_link", "commit_dir", "manifest_bit", "junk_newer"])
+def test_a_newest_step_whose_commit_or_manifest_cannot_be_read_is_passed_over(tmp_path, how, caplog):
+    root = tmp_path / "ck"
+    net, opt = _model(0)
+    with CheckpointManager(root) as mgr:
+        _train(net, opt, 1)
+        mgr.save(10, {"model": net, "optim": opt}).wait()
+        good = _snapshot(net, opt)
+        _train(net, opt, 2)
+        mgr.save(20, {"model": net, "optim": opt}).wait()
+    _damage_commit_or_manifest(root, 20, how)
+    caplog.set_level(logging.WARNING, logger="checkpointing")
+    fresh, fresh_opt = _model(1)
+    _train(fresh, fresh_opt, 0)
+    expect = 20 if how == "junk_newer" else 10
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore({"model": fresh, "optim": fresh_opt}) == expect
+        if how != "junk_newer":
+            assert _snapshot(fresh, fresh_opt).keys() == good.keys()
+            assert all(torch.equal(_snapshot(fresh, fresh_opt)[k], v) for k, v in good.items())
+            with pytest.raises(CheckpointError):
+                mgr.restore({"model": fresh, "optim": fresh_opt}, step=20)  # asked for by name: its error
+    bad = 30 if how == "junk_newer" else 20
+    assert any(f"step {bad}" in r.getMessage() and "passed over" in r.getMessage() for r in caplog.records)
+    assert torch.equal(checkpointing.load(root, exclude="optim")["model"]["0.weight"],
+                       good["model/0.weight"] if expect == 10 else _snapshot(net, opt)["model/0.weight"])
+
+
+def test_every_committed_step_unreadable_is_an_error_not_a_fresh_start(tmp_path):
+    root = tmp_path / "ck"
+    net, opt = _model(0)
+    with CheckpointManager(root) as mgr:
+        for step in (10, 20):
+            _train(net, opt, step)
+            mgr.save(step, {"model": net, "optim": opt}).wait()
+    _damage_commit_or_manifest(root, 10, "torn_commit")
+    _damage_commit_or_manifest(root, 20, "manifest_bit")
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(CheckpointCorruptError, match="no committed step .* can be read") as info:
+            mgr.restore({"model": net, "optim": opt})
+    assert "step 10" in str(info.value) and "step 20" in str(info.value) and "--step" in str(info.value)
+    with pytest.raises(CheckpointCorruptError, match="no committed step .* can be read"):
+        checkpointing.load(root)

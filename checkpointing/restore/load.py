@@ -8,11 +8,14 @@ ranks held per rank (an RNG state) come back for one named rank, or are refused 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from checkpointing.errors import CheckpointConfigError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from checkpointing.errors import (CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                                  CheckpointNotFoundError)
+from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import Sources, execute, plan_restore
 from checkpointing.restore.selection import Selection
 from checkpointing.state.codecs import Codec
@@ -21,6 +24,8 @@ from checkpointing.storage.redact import redact_url
 from checkpointing.tier import catalog
 from checkpointing.tier.opening import ReadOnlyLocalStorage
 from checkpointing.tier.tierfile import read_tier_id
+
+log = logging.getLogger("checkpointing")
 
 
 def load(
@@ -46,10 +51,12 @@ def load(
     if not committed:
         raise CheckpointNotFoundError(f"{storage.url} holds no committed step")
     if step is None:
-        step = max(committed)
+        manifest = _newest_readable(storage, committed)
+        step = manifest.step
     elif step not in committed:
         raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {_listing(committed)})")
-    manifest = catalog.load_manifest(storage, step)
+    else:
+        manifest = catalog.load_manifest(storage, step)
     if rank is not None and not 0 <= rank < manifest.world_size:
         raise CheckpointConfigError(f"rank={rank}: step {step} was saved by {manifest.world_size} rank(s) (0..{manifest.world_size - 1})")
     select = Selection.of(True, keys, exclude, take_all=True)
@@ -72,6 +79,20 @@ def load(
     state: dict[str, Any] = {}
     execute(plan, state, sources)
     return state
+
+
+def _newest_readable(storage: Storage, committed: list[int]) -> Manifest:
+    """The manifest of the newest committed step whose COMMIT and manifest read clean; a newer one that
+    does not is passed over with a warning, as restore() does."""
+    problems = []
+    for s in sorted(committed, reverse=True):
+        try:
+            return catalog.load_manifest(storage, s)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            problems.append(f"step {s}: {exc}")
+            log.warning("checkpointing: load() passes over step %d of %s: %s", s, storage.url, exc)
+    raise CheckpointCorruptError(f"no committed step in {storage.url} can be read: {'; '.join(problems)}; "
+                                 "checkpointing verify names what is damaged")
 
 
 def open_readonly(path_or_url: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Storage:

@@ -115,6 +115,7 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
     peers = " or a peer copy on its node" if tiers.replicas else ""
     where = f"its local tier {local.url}{peers}" + (f" or the remote tier {remote.url}" if remote is not None else "")
     found = _Readable(notes=[] if committed else [f"{where} holds no committed step"])
+    damaged: list[int] = []
     for s in candidates:
         if s not in committed:
             found.notes.append(f"step {s} is not committed in {where}")
@@ -123,12 +124,13 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
         try:
             manifest = _load_manifest(local if s in local_steps else None, remote if s in remote_steps else None, s, list(copies.values()))
             plan = plan_restore(state, manifest, rank=rank, world_size=world_size, codecs=codecs, select=strict)
-        except CheckpointCorruptError as exc:
-            if step is not None or world_size == 1:
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:  # its COMMIT or manifest unreadable (listed, not readable)
+            if step is not None:
                 found.error = exc
                 break
             found.notes.append(f"step {s}: {exc}")
-            log.warning("checkpointing: rank %d cannot use step %d: %s", rank, s, exc)
+            damaged.append(s)
+            log.warning("checkpointing: rank %d cannot use step %d, passed over for an older one: %s", rank, s, exc)
             continue
         except (CheckpointError, TypeError) as exc:
             found.error = exc
@@ -148,6 +150,10 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
         found.plans[s] = (plan, sources)
         if world_size == 1 and step is None:
             break  # one rank: the newest readable step is the answer
+    if step is None and damaged and len(damaged) == len(candidates):  # never a fresh start over committed steps
+        found.error = CheckpointCorruptError(
+            f"no committed step in {where} can be read: {'; '.join(found.notes)}. Nothing was restored; repair or remove "
+            "the damaged steps' directories (checkpointing verify names what is damaged), or restore from another copy")
     return found
 
 

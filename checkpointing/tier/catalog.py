@@ -104,7 +104,11 @@ def read_commit(storage: Storage, step: int) -> CommitMarker:
         raise CheckpointCorruptError(f"step {step}: {exc}; remove that step directory") from None
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (no {path})") from None
-    marker = decode_commit(data, where)
+    try:
+        marker = decode_commit(data, where)
+    except ManifestError as exc:
+        raise ManifestError(f"step {step}: {exc}; the step cannot be read: use another step (step=N; CLI: --step N), "
+                            f"or delete it (checkpointing rm DIR --step {step} --force)") from None
     if marker.step != step:
         raise ManifestError(f"{where} names step {marker.step}, expected {step}")
     if not marker.manifest.startswith(naming.step_dir(step) + "/"):
