@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import time
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -60,6 +61,28 @@ def wait_keys(store: Store, keys: list[str], deadline: float, what: str, *, time
         "dead, hung, or much slower: raise timeout_s if they are only slow)",
         missing,
     )
+
+
+def wait_reports(store: Store, keys: list[str], deadline: float, what: str, *, timeout_s: float, slice_s: float = 1.0) -> dict[int, str]:
+    """wait_keys for the ranks' reports of one save, where a report may be a failure naming ranks it
+    timed out waiting for (`"silent": [ranks]`, StoreCoordinator._report_failure): once every report
+    still missing is of a rank another report names silent, waiting on for it would only double what
+    a dead rank costs the others; returns those ranks, each with the cause that named it ({}: all came)."""
+    known: dict[int, bytes] = {}
+    while not wait_set(store, keys, min(deadline, time.monotonic() + slice_s)):
+        fresh = [i for i, k in enumerate(keys) if i not in known and store.check([k])]
+        known.update(zip(fresh, store.multi_get([keys[i] for i in fresh]) if fresh else []))
+        named: dict[int, str] = {}
+        for raw in known.values():
+            if raw.startswith(b'{"ok": false'):  # a failure report is small JSON; a rank's part is not parsed here
+                msg = json.loads(raw)
+                named.update({int(r): str(msg.get("error")) for r in msg.get("silent", [])})
+        missing = [i for i in range(len(keys)) if i not in known]
+        if missing and all(i in named for i in missing):
+            return {i: named[i] for i in missing}
+        if time.monotonic() >= deadline:
+            wait_keys(store, keys, deadline, what, timeout_s=timeout_s)  # raises CoordinationTimeout naming them
+    return {}
 
 
 def store_errors(fn: _F) -> _F:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from checkpointing.dist import keys
 from checkpointing.dist.remote_commit import StoreTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
-from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys
+from checkpointing.dist.store import connect, delete_keys, poll, store_errors, wait_keys, wait_reports
 from checkpointing.dist.types import SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointError, CoordinationTimeout, MergeError, PeerFailed, RanksFailedError, group_by_cause
 from checkpointing.format.decode import decode_committed_step
@@ -119,7 +119,9 @@ class StoreCoordinator:
             if save.seq not in self._shared:
                 self.store.set(keys.save_written(save.seq, self.rank), json.dumps({"ok": False}))
                 self._shared.add(save.seq)
-            report = {"ok": False, "error": cause, "root": not isinstance(error, PeerFailed)}
+            report: dict[str, Any] = {"ok": False, "error": cause, "root": not isinstance(error, PeerFailed)}
+            if isinstance(error, CoordinationTimeout) and error.ranks:  # rank 0 waits no longer for them (store.wait_reports)
+                report["silent"] = sorted(error.ranks)
             self.store.set(keys.save_part(save.seq, self.rank), json.dumps(report))
         except Exception as exc:  # noqa: BLE001 - the store is gone too: the others will time out
             log.warning("checkpointing: could not report rank %d's failure of step %d: %s", self.rank, save.step, exc)
@@ -148,9 +150,11 @@ class StoreCoordinator:
         """Rank 0: merge every rank's part and publish the manifest; False if the step already failed."""
         part_keys = [keys.save_part(save.seq, r) for r in range(self.world_size)]
         try:
-            self._wait(part_keys, deadline, f"step {save.step}: waiting for every rank's report")
+            silent = wait_reports(self.store, part_keys, deadline, f"step {save.step}: waiting for every rank's report", timeout_s=self.timeout_s)
         except CoordinationTimeout as exc:
-            self._verdict(save, {r: str(exc) for r in exc.ranks})
+            silent = {r: str(exc) for r in exc.ranks}
+        if silent:  # dead or hung: the save fails, naming them
+            self._verdict(save, silent)
             return False
         if save.seq > 0:  # every rank reported this save, so all are done with the previous one
             self._delete_seq(save.seq - 1)
