@@ -148,3 +148,17 @@ def test_verify_reads_a_chunk_in_bounded_pieces(tmp_path, monkeypatch):
     hostile.flip_bits(hostile.pack_path(root, 1), 300_000, 1)
     report = verify.verify_step(storage, 1)
     assert not report.ok and "digest mismatch" in report.problems[0]
+
+
+def test_verify_checks_the_file_table_sizes_as_inspect_does(tmp_path, capsys):
+    """A sealed manifest whose file table gives a data file another size than it has: every chunk
+    still reads clean, but the step does not match its own manifest, and verify says so."""
+    root = tmp_path / "ckpt"
+    hostile.make_good(root)
+    doc = hostile.load_manifest(root)
+    doc["files"][0][3] = 2**63  # [path, rank, tier, nbytes, primary_bytes]
+    hostile.write_manifest(root, doc)
+    assert main(["verify", str(root)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "9223372036854775808" in out and "bytes, expected" in out
+    assert main(["inspect", str(root), "--step", str(hostile.STEP)]) == 1
