@@ -139,7 +139,7 @@ class CheckpointMismatchError(CheckpointError):
         if load:  # checkpointing.load(): no target, only the selection and rank asked for
             head, fix = "cannot be read as load() was asked", (
                 "Name what to read with keys=[...] / exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'), "
-                "and rank=r for values each rank saved for itself; checkpointing.load(path) shows what the step holds.")
+                "and rank=r for values each rank saved for itself; `checkpointing inspect PATH` lists what the step holds.")
         else:
             head, fix = "does not match the state passed to restore", (
                 "Pass the same kinds of objects that were saved, or name what to restore: "

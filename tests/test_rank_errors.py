@@ -179,7 +179,8 @@ def failed(tmp_path_factory):
 def test_the_same_write_failure_on_every_rank_reads_once(failed):
     for rank, per_step in enumerate(failed):
         message, logged = per_step[0]
-        assert message.startswith(f"CheckpointSaveError: save of step 2 failed: RanksFailedError: step 2 failed on 4 ranks: ranks 0-3: {FSIZE}. "), (rank, message)
+        assert message.startswith(f"CheckpointSaveError: save of step 2 failed: RanksFailedError: step 2 failed on 4 ranks: ranks 0-3: {FSIZE}"), (rank, message)
+        assert "(writing a pack file in " in message and "step-0000000002). " in message, message  # where, said once
         assert message.count("ranks 0-3: ") == 1 and message.count("File too large") == 1, message
         assert "rank 0" not in message and "rank 3" not in message, message
         [line] = [line for line in logged if "step 2 failed on" in line]
@@ -197,11 +198,11 @@ def test_the_same_unsupported_value_on_every_rank_reads_once(failed):
 
 
 def test_different_causes_are_grouped_by_cause(failed):
-    expected = f"step 4 failed on 4 ranks: ranks 0-1, 3: {FSIZE}; rank 2: {STATE}"
+    expected = f"step 4 failed on 4 ranks: ranks 0-1, 3: {FSIZE} (writing a pack file in "
     for rank, per_step in enumerate(failed):
         message, logged = per_step[2]
         if rank == 2:
             assert message.startswith(STATE), message
             [message] = [line for line in logged if "step 4 failed on" in line]
-        assert expected in message, (rank, message)
+        assert expected in message and f"step-0000000004); rank 2: {STATE}" in message, (rank, message)
         assert message.count("File too large") == 1 and message.count("not checkpointable") == 1, message

@@ -85,6 +85,11 @@ _SAFE_GLOBALS = frozenset({
 })
 
 
+# modules a pickle names only to run code (os.system is posix.system in a pickle): never suggested for an allow-list
+_RUNS_CODE = frozenset({"os", "posix", "nt", "subprocess", "builtins", "__builtin__", "sys", "shutil", "importlib", "runpy", "pty",
+                        "socket", "code", "codeop", "ctypes", "pickle", "marshal", "types", "operator", "functools", "webbrowser"})
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only the (module, qualified name) pairs it was given."""
 
@@ -94,6 +99,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._allowed:
+            if module.split(".")[0] in _RUNS_CODE:
+                raise CheckpointError(f"the pickle names {module}.{name}: loading it would run code (a call into {module}); "
+                                      "do not load this checkpoint, and do not add that name to a PickleCodec")
             raise CheckpointError(
                 f"the pickle names {module}.{name}, which is not among the types this PickleCodec was given. If it is a "
                 f"class you saved and you trust this checkpoint, add it: PickleCodec(..., {name.rsplit('.', 1)[-1]}); a "

@@ -70,10 +70,13 @@ class LocalStream:
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.alignment = 1
         view = data
-        while view:
-            n = os.pwrite(self.fd, view, self.offset)
-            self.offset += n
-            view = view[n:]
+        try:
+            while view:
+                n = os.pwrite(self.fd, view, self.offset)
+                self.offset += n
+                view = view[n:]
+        except OSError as exc:
+            raise self._where(exc, "writing") from None
 
     def close(self) -> None:
         try:
@@ -81,9 +84,17 @@ class LocalStream:
                 os.ftruncate(self.fd, self.offset)  # what a longer spare held past the new end goes
             if self.fsync:
                 os.fsync(self.fd)
+        except OSError as exc:
+            raise self._where(exc, "flushing") from None
         finally:
             os.close(self.fd)
             self.fd = -1
+
+    def _where(self, exc: OSError, doing: str) -> OSError:
+        """The error with where and what was being done (the kernel's says neither); disk full: the fix.
+        The directory, not the file: ranks writing one step directory fail with one message (errors.group_by_cause)."""
+        hint = ": free space there, or keep fewer steps (keep_local=)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return OSError(exc.errno, f"{exc.strerror} ({doing} a pack file in {self.path.parent}{hint})")
 
     def abort(self) -> None:
         if self.fd >= 0:
