@@ -130,7 +130,7 @@ def test_a_timeout_names_the_silent_ranks_as_ranges():
 
 
 def test_reports_naming_a_silent_rank_end_the_wait_for_it():
-    """A rank that timed out waiting for rank 1 (a peer on its node) says so in its failure report:
+    """A rank that timed out waiting for rank 1 (a peer on its node) says so at its `silent` key:
     rank 0 then stops waiting for rank 1's report (waiting a second timeout_s for a dead rank)."""
     import json as _json
 
@@ -140,19 +140,21 @@ def test_reports_naming_a_silent_rank_end_the_wait_for_it():
     from checkpointing.dist.store import wait_reports
 
     store = HashStore()
-    waited = [keys.save_part(0, r) for r in range(4)]
+    parts, silent = [keys.save_part(0, r) for r in range(4)], [keys.save_silent(0, r) for r in range(4)]
     cause = "CoordinationTimeout: step 1: waiting for local-tier peers: rank 1 did not answer in time (timeout_s=600)"
-    store.set(waited[0], _json.dumps({"ok": False, "error": cause, "root": True, "silent": [1]}))
-    store.set(waited[2], b'{"ok": true, "part": 2}')
-    store.set(waited[3], _json.dumps({"ok": False, "error": "aborted because another rank failed", "root": False}))
-    far = time.monotonic() + 600  # no timeout is reached: the reports tell
-    assert wait_reports(store, waited, far, "step 1: waiting for every rank's report", timeout_s=600, slice_s=0.01) == {1: cause}
-    store.set(waited[1], b'{"ok": true}')  # every report there: nobody is silent
-    assert wait_reports(store, waited, far, "x", timeout_s=600) == {}
-    del_store = HashStore()  # a missing report no other one names: the timeout, naming it
-    del_store.set(waited[0], _json.dumps({"ok": False, "error": cause, "root": True, "silent": [1]}))
+    store.set(parts[0], _json.dumps({"ok": False, "error": cause, "root": True}))
+    store.set(silent[0], _json.dumps({"ranks": [1], "error": cause}))
+    store.set(parts[2], b'{"ok": true, "part": 2}')
+    store.set(parts[3], _json.dumps({"ok": False, "error": "aborted because another rank failed", "root": False}))
+    far = time.monotonic() + 600  # no timeout is reached: the silent key tells
+    assert wait_reports(store, parts, silent, far, "step 1: waiting for every rank's report", timeout_s=600, slice_s=0.01) == {1: cause}
+    store.set(parts[1], b'{"ok": true}')  # every report there: nobody is silent
+    assert wait_reports(store, parts, silent, far, "x", timeout_s=600) == {}
+    other = HashStore()  # missing reports no silent key names: the timeout, naming them
+    other.set(parts[0], _json.dumps({"ok": False, "error": cause, "root": True}))
+    other.set(silent[0], _json.dumps({"ranks": [1], "error": cause}))
     with pytest.raises(CoordinationTimeout) as info:
-        wait_reports(del_store, waited, time.monotonic() + 0.05, "step 1: waiting for every rank's report", timeout_s=5, slice_s=0.01)
+        wait_reports(other, parts, silent, time.monotonic() + 0.05, "step 1: waiting for every rank's report", timeout_s=5, slice_s=0.01)
     assert info.value.ranks == [1, 2, 3]
 
 

@@ -10,6 +10,7 @@ of one job, or one job's restarts, never read each other's keys. Under it:
     resume/<rank>               the interrupted uploads the rank can resume (start-up)
     save/<seq>/ws/<rank>        what replicated tensors the rank writes in save number seq
     save/<seq>/part/<rank>      its report (rank_reports.RankPart) or its error
+    save/<seq>/silent/<rank>    the ranks it timed out waiting for in that save, and its error
     save/<seq>/manifest         rank 0's merged manifest (zlib, when several local tiers' leaders read it)
     save/<seq>/committed/<rank> the step's digest and that rank's files of it (CommittedStep.by_rank)
     save/<seq>/ack/<rank>       a local tier's leader committed there, or its error
@@ -87,6 +88,10 @@ def save_part(seq: int, rank: int) -> str:
     return f"save/{seq}/part/{rank}"
 
 
+def save_silent(seq: int, rank: int) -> str:
+    return f"save/{seq}/silent/{rank}"
+
+
 def save_ack(seq: int, rank: int) -> str:
     return f"save/{seq}/ack/{rank}"
 
@@ -105,7 +110,7 @@ def save_status(seq: int) -> str:
 
 def save_all(seq: int, world_size: int) -> list[str]:
     """Every key of save number `seq` (to delete them once every rank is past it)."""
-    per_rank = [fn(seq, r) for fn in (save_written, save_part, save_ack, save_committed) for r in range(world_size)]
+    per_rank = [fn(seq, r) for fn in (save_written, save_part, save_silent, save_ack, save_committed) for r in range(world_size)]
     return [save_manifest(seq), save_status(seq)] + per_rank
 
 

@@ -63,25 +63,26 @@ def wait_keys(store: Store, keys: list[str], deadline: float, what: str, *, time
     )
 
 
-def wait_reports(store: Store, keys: list[str], deadline: float, what: str, *, timeout_s: float, slice_s: float = 1.0) -> dict[int, str]:
-    """wait_keys for the ranks' reports of one save, where a report may be a failure naming ranks it
-    timed out waiting for (`"silent": [ranks]`, StoreCoordinator._report_failure): once every report
-    still missing is of a rank another report names silent, waiting on for it would only double what
-    a dead rank costs the others; returns those ranks, each with the cause that named it ({}: all came)."""
-    known: dict[int, bytes] = {}
-    while not wait_set(store, keys, min(deadline, time.monotonic() + slice_s)):
-        fresh = [i for i, k in enumerate(keys) if i not in known and store.check([k])]
-        known.update(zip(fresh, store.multi_get([keys[i] for i in fresh]) if fresh else []))
-        named: dict[int, str] = {}
-        for raw in known.values():
-            if raw.startswith(b'{"ok": false'):  # a failure report is small JSON; a rank's part is not parsed here
-                msg = json.loads(raw)
-                named.update({int(r): str(msg.get("error")) for r in msg.get("silent", [])})
-        missing = [i for i in range(len(keys)) if i not in known]
+def wait_reports(store: Store, parts: list[str], silent: list[str], deadline: float, what: str, *, timeout_s: float,
+                 slice_s: float = 1.0) -> dict[int, str]:
+    """wait_keys for the ranks' reports of one save (`parts`), where a rank that timed out waiting for
+    others in that save names them at its `silent` key ({"ranks": [...], "error": ...}): once every
+    report still missing is of a rank another one names, waiting on for it would only double what a
+    dead rank costs the others. Returns those ranks, each with the error that named it ({}: all came).
+    Past the first slice, each slice asks for the keys not seen yet (no report is fetched here)."""
+    seen: set[int] = set()
+    named: dict[int, str] = {}
+    while not wait_set(store, parts, min(deadline, time.monotonic() + slice_s)):
+        seen.update(i for i, k in enumerate(parts) if i not in seen and store.check([k]))
+        said = [k for k in silent if store.check([k])]
+        for raw in store.multi_get(said) if said else []:
+            msg = json.loads(raw)
+            named.update({int(r): str(msg.get("error")) for r in msg.get("ranks", [])})
+        missing = [i for i in range(len(parts)) if i not in seen]
         if missing and all(i in named for i in missing):
             return {i: named[i] for i in missing}
         if time.monotonic() >= deadline:
-            wait_keys(store, keys, deadline, what, timeout_s=timeout_s)  # raises CoordinationTimeout naming them
+            wait_keys(store, parts, deadline, what, timeout_s=timeout_s)  # raises CoordinationTimeout naming them
     return {}
 
 

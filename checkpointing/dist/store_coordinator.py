@@ -119,9 +119,9 @@ class StoreCoordinator:
             if save.seq not in self._shared:
                 self.store.set(keys.save_written(save.seq, self.rank), json.dumps({"ok": False}))
                 self._shared.add(save.seq)
-            report: dict[str, Any] = {"ok": False, "error": cause, "root": not isinstance(error, PeerFailed)}
             if isinstance(error, CoordinationTimeout) and error.ranks:  # rank 0 waits no longer for them (store.wait_reports)
-                report["silent"] = sorted(error.ranks)
+                self.store.set(keys.save_silent(save.seq, self.rank), json.dumps({"ranks": sorted(error.ranks), "error": cause}))
+            report = {"ok": False, "error": cause, "root": not isinstance(error, PeerFailed)}
             self.store.set(keys.save_part(save.seq, self.rank), json.dumps(report))
         except Exception as exc:  # noqa: BLE001 - the store is gone too: the others will time out
             log.warning("checkpointing: could not report rank %d's failure of step %d: %s", self.rank, save.step, exc)
@@ -150,7 +150,8 @@ class StoreCoordinator:
         """Rank 0: merge every rank's part and publish the manifest; False if the step already failed."""
         part_keys = [keys.save_part(save.seq, r) for r in range(self.world_size)]
         try:
-            silent = wait_reports(self.store, part_keys, deadline, f"step {save.step}: waiting for every rank's report", timeout_s=self.timeout_s)
+            silent = wait_reports(self.store, part_keys, [keys.save_silent(save.seq, r) for r in range(self.world_size)], deadline,
+                                  f"step {save.step}: waiting for every rank's report", timeout_s=self.timeout_s)
         except CoordinationTimeout as exc:
             silent = {r: str(exc) for r in exc.ranks}
         if silent:  # dead or hung: the save fails, naming them
