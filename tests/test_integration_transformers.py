@@ -309,3 +309,55 @@ def test_save_total_limit_policy_keeps_what_the_trainers_rotation_keeps(limit: i
     infos = [StepInfo(s, {"eval_loss": 1.0 if s == best else 2.0}) for s in steps]
     ours = SaveTotalLimit(limit, "eval_loss" if best is not None else None).kept(infos)
     assert sorted(ours) == theirs
+
+
+_TWO_PROCESSES = r"""
+import json, os, sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, TrainerCallback
+from checkpointing.integrations import transformers as ckpt_hf
+out, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+data = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
+class DS(torch.utils.data.Dataset):
+    def __len__(self): return len(data)
+    def __getitem__(self, i): return {"input_ids": data[i], "labels": data[i]}
+class Start(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        print(f"START {rank} {state.global_step}", flush=True)
+args = TrainingArguments(output_dir=out, max_steps=steps, save_steps=5, save_total_limit=2, per_device_train_batch_size=4,
+                         report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, logging_steps=100)
+trainer = ckpt_hf.CheckpointingTrainer(model=model, args=args, train_dataset=DS(), callbacks=[Start()], timeout_s=60)
+trainer.train(resume_from_checkpoint=True if resume else None)
+print(f"DONE {rank} {trainer.state.global_step}", flush=True)
+"""
+
+
+def test_two_processes_resume_the_same_folder_after_one_was_lost(tmp_path: Path) -> None:
+    """Under torchrun, process 0 alone writes the checkpoint-N folders: after a crash between a commit
+    and its folder's rename (the folder missing), every process resumes the folder process 0 wrote back."""
+    import socket
+    import subprocess
+    import sys
+
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(_TWO_PROCESSES)
+
+    def torchrun(steps: int, mode: str) -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), str(script), str(out), str(steps), mode],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    torchrun(10, "fresh")
+    shutil.rmtree(out / "checkpoint-10")  # committed, its folder never renamed into place
+    log = torchrun(15, "resume")
+    assert "START 0 10" in log and "START 1 10" in log and "DONE 0 15" in log and "DONE 1 15" in log, log
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15"]

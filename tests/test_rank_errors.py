@@ -113,6 +113,14 @@ def test_restore_agreement_groups_errors_and_notes():
     assert str(info.value) == f"step 3 cannot be restored: ranks 1-2 cannot read it ({note}); rank 3 cannot read it (other)"
 
 
+def test_ranks_asking_for_different_steps_are_told_so():
+    views = [RestoreView([30], "it can", requested=30), RestoreView([25], "it can", requested=25), RestoreView([30], "it can", requested=30)]
+    with pytest.raises(CheckpointError) as info:
+        agreed_step(views, 30)
+    assert str(info.value) == ("the ranks asked restore() for different steps (ranks 0, 2: step=30; rank 1: step=25): "
+                               "every rank must pass the same step, or step=None on every rank")
+
+
 def test_a_timeout_names_the_silent_ranks_as_ranges():
     from torch.distributed import HashStore
 

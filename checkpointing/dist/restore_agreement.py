@@ -21,6 +21,7 @@ class RestoreView:
     readable: list[int]
     note: str
     error: str | None = None
+    requested: int | None = None  # the step this rank asked for (every rank must ask for the same)
 
 
 def agreed_step(views: list[RestoreView], requested: int | None) -> int | None:
@@ -29,6 +30,11 @@ def agreed_step(views: list[RestoreView], requested: int | None) -> int | None:
     if failed:
         raise CheckpointError("restore failed on " + group_by_cause(failed))
     common = set(views[0].readable).intersection(*(v.readable for v in views[1:]))
+    asked = {v.requested for v in views}
+    if len(asked) > 1:  # restore() is collective: one step for every rank
+        by_step: dict[int, str] = {r: "step=None" if v.requested is None else f"step={v.requested}" for r, v in enumerate(views)}
+        raise CheckpointError("the ranks asked restore() for different steps (" + group_by_cause(by_step)
+                              + "): every rank must pass the same step, or step=None on every rank")
     if requested is not None:
         lacking = [r for r, v in enumerate(views) if requested not in v.readable]
         if lacking:

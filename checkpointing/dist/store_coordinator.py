@@ -246,7 +246,7 @@ class StoreCoordinator:
         """The newest step every rank can read (or check `requested`); the error names who cannot."""
         n = self._restores
         self._restores += 1
-        self.store.set(keys.restore(n, self.rank), json.dumps({"readable": readable, "note": note, "error": error}))
+        self.store.set(keys.restore(n, self.rank), json.dumps({"readable": readable, "note": note, "error": error, "requested": requested}))
         view_keys = [keys.restore(n, r) for r in range(self.world_size)]
         self._wait(view_keys, time.monotonic() + self.timeout_s, "restore: waiting for every rank's list of readable steps")
         return agreed_step([RestoreView(**json.loads(v)) for v in self.store.multi_get(view_keys)], requested)

@@ -35,46 +35,14 @@ import tempfile
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+import checkpointing
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, CheckpointUploadError
 from checkpointing.integrations import _hf_markers as markers
 from checkpointing.manager import CheckpointManager, SaveHandle
-from checkpointing.plan.retention import RetentionPolicy, StepInfo
 
 log = logging.getLogger("checkpointing")
 
 TRAINER_KEY = "trainer"  # {"state_json": <trainer_state.json text>, "contents": "model,optimizer,..."} in every step
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveTotalLimit(RetentionPolicy):
-    """TrainingArguments.save_total_limit as a retention policy: the newest step and the best one
-    (by `metric`, strictly better than every earlier step, as the Trainer tracks it) are always kept,
-    and the newest others up to `limit` steps in all."""
-
-    limit: int
-    metric: str | None = None
-    greater_is_better: bool = False
-
-    @property
-    def metric_names(self) -> frozenset[str]:
-        return frozenset() if self.metric is None else frozenset((self.metric,))
-
-    def kept(self, steps: Sequence[StepInfo]) -> frozenset[int]:
-        ordered = sorted({s.step: s for s in steps}.values(), key=lambda s: s.step)
-        if not ordered:
-            return frozenset()
-        protected = {ordered[-1].step}
-        best: tuple[int, float] | None = None
-        for s in ordered if self.metric is not None else ():
-            v = s.metrics.get(self.metric)  # type: ignore[arg-type]
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                if best is None or (v > best[1] if self.greater_is_better else v < best[1]):
-                    best = (s.step, float(v))
-        if best is not None:
-            protected.add(best[0])
-        others = [s.step for s in ordered if s.step not in protected]
-        room = max(self.limit, len(protected)) - len(protected)
-        return frozenset(protected | set(others[max(0, len(others) - room):] if room else ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,15 +219,24 @@ class TrainerCheckpoints:
         and its rename, or output_dir was lost and the steps come from the remote tier) get theirs
         again first, written from the step itself."""
         output_dir = os.path.abspath(output_dir)
-        steps = self.open().steps()
+        mgr = self.open()
+        chosen: str | None = None
         if self._markers:
             have = {n for n, _ in markers.scan(output_dir)}
-            missing = [s for s in steps if s not in have]
+            missing = [s for s in mgr.steps() if s not in have]
             for step in missing:
                 self._rebuild(output_dir, step)
             if missing:
                 log.warning("checkpointing: wrote the checkpoint folders of steps %s in %s again from %s (they had none)",
                             missing, output_dir, self.root)
+            chosen = self._newest_resolving(output_dir)
+        if mgr.world_size == 1:
+            return chosen if self._markers else self._newest_resolving(output_dir)
+        # several processes: each resumes the folder process 0 chose, once it wrote the missing ones (only it writes folders)
+        step = _from_process_zero(None if chosen is None else self.resolve(chosen).step, self._options.get("process_group"))
+        return None if step is None else self.resolve(os.path.join(output_dir, markers.folder_name(step))).folder
+
+    def _newest_resolving(self, output_dir: str) -> str | None:
         for _, folder in markers.scan(output_dir):
             try:
                 return self.resolve(folder).folder
@@ -268,8 +245,15 @@ class TrainerCheckpoints:
         return None
 
     def _rebuild(self, output_dir: str, step: int) -> None:
-        box = {TRAINER_KEY: {"state_json": "", "contents": ""}}
-        self.open().restore(box, step=step, only=[TRAINER_KEY])
+        """The folder of committed `step`, from the step's own record; read with load() (process 0 alone
+        writes folders: a restore() would be a collective call), from the remote tier if need be."""
+        try:
+            box = checkpointing.load(self.root, step, keys=TRAINER_KEY, rank=0)
+        except CheckpointNotFoundError:
+            if self._options.get("remote") is None:
+                raise
+            box = checkpointing.load(self._options["remote"], step, keys=TRAINER_KEY, rank=0,
+                                     storage_options=self._options.get("storage_options"))
         staging = markers.stage(output_dir, step)
         with open(os.path.join(staging, markers.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(box[TRAINER_KEY]["state_json"])
@@ -354,6 +338,15 @@ class TrainerCheckpoints:
             log.error("checkpointing: %s", extra)
         if found:
             raise found[0]
+
+
+def _from_process_zero(step: int | None, group: Any) -> int | None:
+    """Process 0's `step`, on every process of `group` (default: the world)."""
+    import torch.distributed as dist
+
+    box = [step]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
 
 
 def _same(a: str, b: str) -> bool:

@@ -36,8 +36,10 @@ What CheckpointingMixin overrides, and why (Trainer of transformers 5.x; the hoo
 
 Limits: callbacks' `on_save` run before the folder exists (it appears at commit); checkpoint
 folders hold no model files (`trainer.save_model()` still writes a regular model, and
-`checkpointing export` writes safetensors); DeepSpeed is refused; FSDP, several processes and
-hyper-parameter search (every trial would share one checkpoint directory) are untested.
+`checkpointing export` writes safetensors); DeepSpeed is refused. Several processes (DDP under
+torchrun): process 0 alone writes the folders, and `resume_from_checkpoint=True` resumes on every
+process the one process 0 chose (tested on 2 CPU processes); FSDP and hyper-parameter search
+(every trial would share one checkpoint directory) are untested.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from checkpointing.errors import CheckpointConfigError, CheckpointNotFoundError
 from checkpointing.integrations import _hf_markers as markers
-from checkpointing.integrations._hf_store import SaveTotalLimit, TrainerCheckpoints
+from checkpointing.integrations._hf_retention import SaveTotalLimit
+from checkpointing.integrations._hf_store import TrainerCheckpoints
 from checkpointing.manager import CheckpointManager
 from checkpointing.options import ManagerOptions
 from checkpointing.state.rng import RNGState
