@@ -217,17 +217,15 @@ class CheckpointManager:
 
     def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True,
                 only: str | Sequence[str] | None = None, exclude: str | Sequence[str] | None = None) -> int | None:
-        """Restore `step` (default: the newest committed one every rank can read) into `state` in place.
-
-        Returns the step, or None when there is none. With several ranks this is a collective call:
-        the ranks agree on the step first, and each reads only the chunks it needs (resharding
-        DTensors when the world size, the mesh or the pipeline stages changed). only / exclude: glob
-        patterns over the keys ("model", "optim/*"): restore just those (the rest of `state` keeps
-        its values; a pattern matching nothing is an error). Names that differ only by wrappers
-        (torch.compile's `_orig_mod.`) match, and an object and its state_dict() restore into each other.
-        Every byte is verified before anything is applied; with step=None a step whose data is damaged
-        on every copy is passed over for the next older one (a warning names it; restore/attempt.py).
-        """
+        """Restore `step` (default: the newest committed one every rank can read) into `state` in place; returns
+        the step, or None when there is none. With several ranks a collective call: the ranks agree on the step,
+        and each reads only the chunks it needs (resharding DTensors when the world size, the mesh or the pipeline
+        stages changed). only / exclude: glob patterns over the keys ("model", "optim/*"): restore just those (the
+        rest of `state` keeps its values; a pattern matching nothing is an error). Names that differ only by wrappers
+        (torch.compile's `_orig_mod.`) match, and an object and its state_dict() restore into each other. Every byte
+        is verified before anything is applied; with step=None a step whose data is damaged on every copy is passed
+        over for the next older one (a warning names it; restore/attempt.py), and with one process deleted, so that
+        training saves it again (save/deletion.py retire_newer)."""
         self._check_open()
         self._inflight.wait_local()
         remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())
@@ -240,6 +238,8 @@ class CheckpointManager:
                                         before_read=self._worker.drop_base)  # a failed restore leaves no base for the next save
         if chosen is None or sources is None:
             return None
+        if step is None and not self.options.read_only:
+            self._deleter.retire_newer(chosen)
         if self.options.incremental:  # the next save writes only what changed since this step (all, if damaged here)
             self._worker.use_restored(chosen, clean=not sources.fallbacks)
         log.info("checkpointing: rank %d restored step %d in %.3f s: %s", self.rank, chosen, time.perf_counter() - t0,

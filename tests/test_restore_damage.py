@@ -230,3 +230,34 @@ def test_every_committed_step_unreadable_is_an_error_not_a_fresh_start(tmp_path)
     assert "step 10" in str(info.value) and "step 20" in str(info.value) and "--step" in str(info.value)
     with pytest.raises(CheckpointCorruptError, match="no committed step .* can be read"):
         checkpointing.load(root)
+
+
+@pytest.mark.parametrize("how", ["pack", "torn_commit"])
+def test_the_loop_goes_on_after_restore_passed_over_a_damaged_step(tmp_path, how, caplog):
+    """The README loop (start = restore() or 0; save every step) after the newest step was found damaged:
+    restore() resumes from the older step and deletes the damaged one, so the loop saves that step again."""
+    root = tmp_path / "ck"
+    net, opt = _model(0)
+    with CheckpointManager(root) as mgr:
+        for step in (5, 10, 15):
+            _train(net, opt, step)
+            mgr.save(step, {"model": net, "optim": opt}).wait()
+    if how == "pack":
+        [pack] = (root / "step-0000000015").glob("*.pack")
+        flip_bits(pack, 100)
+    else:
+        _damage_commit_or_manifest(root, 15, "torn_commit")
+    caplog.set_level(logging.WARNING, logger="checkpointing")
+    fresh, fresh_opt = _model(1)
+    with CheckpointManager(root) as mgr:
+        start = mgr.restore({"model": fresh, "optim": fresh_opt}) or 0
+        assert start == 10 and mgr.steps() == [10]  # keep_local=2 had kept 10 and 15
+        for step in range(start + 1, 17):
+            _train(fresh, fresh_opt, step)
+            mgr.save(step, {"model": fresh, "optim": fresh_opt}).wait()
+        assert mgr.steps() == [15, 16]  # keep_local=2
+    assert any("step 15" in r.getMessage() and "saves step 15 again" in r.getMessage() for r in caplog.records)
+    check, check_opt = _model(2)
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.restore({"model": check, "optim": check_opt}) == 16
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(check, check_opt).values(), _snapshot(fresh, fresh_opt).values()))

@@ -65,6 +65,29 @@ class StepDeleter:
         self._meet(f"delete({step}) #{n}: done", failed)
         log.info("checkpointing: rank %d: deleted step %d from %s", self._coord.rank, step, self._where())
 
+    def retire_newer(self, chosen: int) -> None:
+        """After restore(step=None) resumed from `chosen` in a job of one process: the newer committed
+        steps it passed over (damaged on every copy, or their data gone from every tier) are deleted,
+        with a warning, so that the run saves those step numbers again (save() refuses a committed
+        step). With several ranks they are left as they are (a rank that cannot read what another
+        holds may be waiting for a node to come back): delete() them to train on from `chosen`."""
+        if self._coord.world_size > 1:
+            return
+        self._inflight.settle()  # a resumed upload of one of them finishes first (its error stays for later)
+        self._worker.settle()
+        for storage in [self._local] + ([self._remote] if self._remote is not None else []):
+            try:
+                newer = [s for s in catalog.list_steps(storage).committed if s > chosen]
+                for s in newer:
+                    log.warning("checkpointing: step %d in %s could not be restored (restore() resumed from step %d): deleting it, "
+                                "so that training saves step %d again", s, storage.url, chosen, s)
+                    collect.delete_committed(storage, s)
+                    self._worker.forget(s)
+                if self._uploader is not None and storage is self._remote:
+                    self._uploader.saw_remote(removed=newer)
+            except (OSError, CheckpointError) as exc:
+                log.warning("checkpointing: could not delete the steps newer than %d from %s: %s", chosen, storage.url, exc)
+
     def _where(self) -> str:
         return self._local.url + (f" and the remote tier {self._remote.url}" if self._remote is not None else "")
 
