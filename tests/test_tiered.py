@@ -275,6 +275,7 @@ def test_a_process_killed_while_uploading_restarts_the_upload_from_the_local_cop
     with manager(local, s3_bucket, keep_remote=1) as mgr:
         mgr.wait()
         assert mgr.tiers() == {1: "local+remote"}
+        assert not [n for n in remote.list("step-0000000001") if n.startswith("PIN.")]  # the killed upload's went at the start
         target = {"w": torch.zeros(4 << 20)}
         assert mgr.restore(target) == 1
         for step in (2, 3):  # unchanged bytes: step 1's data file stays, borrowed, after keep_remote retires step 1

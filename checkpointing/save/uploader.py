@@ -229,10 +229,13 @@ def start_uploader(
                         cpu=CpuYield(yield_s))
     uploader.saw_remote(added=set(listing.committed))
     mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
+    stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
     agreed = coord.agree_resume(sorted(mine))
     if coord.rank == 0:  # one job per prefix: a pin no upload of ours will remove is a crashed upload's
         try:
             collect.collect(remote, protect=set(agreed), pin_ttl_s=0, scan_committed=False)
+            for path in (p for step in agreed for p in stale.get(step, ())):  # the killed uploads' pins of the steps resumed
+                remote.delete(path)
         except OSError as exc:
             log.warning("checkpointing: could not tidy the remote tier %s: %s", remote.url, exc)
     resumed = []
@@ -242,6 +245,14 @@ def start_uploader(
         uploader.submit(job)
         resumed.append(job)
     return uploader, resumed
+
+
+def _pins_quietly(remote: FsspecStorage, steps: Iterable[int]) -> dict[int, list[str]]:
+    try:
+        return pins.pins_in(remote, steps)
+    except OSError as exc:  # their pins then stay until the steps are retired (tier/collect.py G1)
+        log.warning("checkpointing: could not list the pins of the uploads to resume on %s: %s", remote.url, exc)
+        return {}
 
 
 def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank: int, world_size: int) -> dict[int, CommittedStep]:

@@ -44,6 +44,17 @@ def remove_pin(storage: Storage, path: str | None) -> None:
         log.warning("checkpointing: could not remove the pin %s/%s: %s", storage.url, path, exc)
 
 
+def pins_in(storage: Storage, steps: Iterable[int]) -> dict[int, list[str]]:
+    """The pins in each step's directory (paths), where there are any."""
+    out: dict[int, list[str]] = {}
+    for step in steps:
+        sdir = naming.step_dir(step)
+        found = [f"{sdir}/{n}" for n in storage.list(sdir) if n.startswith(PIN_PREFIX)]
+        if found:
+            out[step] = found
+    return out
+
+
 def remove_failed_step_dir(storage: Storage, step: int) -> None:
     """After a failed save removed its files and its pin: the step's directory, if it is one and
     nothing is left in it (another rank's files, or a committed step's, keep it). Collectors leave
