@@ -535,3 +535,40 @@ def test_a_save_committed_by_a_killed_process_is_recorded_by_the_next_one(tmp_pa
     assert main(["report", str(local)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the notes wrap
     assert "ok (recovered)" in out and "recovered: committed by a process killed" in out
+
+
+_PRUNED_THEN_KILLED = textwrap.dedent(r"""
+    import os, signal, sys, torch
+    from checkpointing import CheckpointManager
+    phase, local, remote = sys.argv[1:4]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # optimizer.step() marks steps
+    mgr = CheckpointManager(local, remote=remote, keep_local=1, keep_remote=None, upload_bytes_per_s=2e6)
+    state = {"model": model, "optim": opt}
+    start = mgr.restore(state) or 0
+    for s in range(start + 1, start + 4):
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        h = mgr.save(s, state)
+        if phase == "kill" and s == start + 2:  # durable on both tiers, then killed before a step ends its cost
+            h.add_done_callback(lambda _: os.kill(os.getpid(), signal.SIGKILL))
+    mgr.close()
+""")
+
+
+def test_a_killed_process_s_saves_that_local_retention_removed_are_recovered_from_the_remote_tier(tmp_path):
+    local, remote = tmp_path / "ck", (tmp_path / "remote").as_uri()
+
+    def run(phase: str) -> int:
+        return subprocess.run([sys.executable, "-c", _PRUNED_THEN_KILLED, phase, str(local), remote], env=child_env(),
+                              timeout=300).returncode
+
+    assert run("clean") == 0  # steps 1-3, each recorded
+    assert run("kill") == -signal.SIGKILL  # steps 4 and 5 durable on both tiers, unrecorded; keep_local=1 left 5 (or 6) locally
+    assert run("resume") == 0
+    lines = [json.loads(x) for x in (local / "metrics.jsonl").read_text().splitlines()]
+    steps = sorted((r["step"], r["recovered"]) for r in lines)
+    assert [s for s, _ in steps] == sorted({s for s, _ in steps}) and {4, 5} <= {s for s, rec in steps if rec}, steps
+    assert all(r["tier"] == "local+remote" and r["ok"] for r in lines if r["step"] in (4, 5))

@@ -84,8 +84,9 @@ class SaveRecords:
                      upload.step, upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote)
 
     def recover(self, storage: Storage, *, resumed: set[int], remote: Uploader | None) -> None:
-        """At start: a record (SaveStats.recovered) for each step committed on the local tier after the
-        last one this rank recorded there, whose process was killed before recording it; a step whose
+        """At start: a record (SaveStats.recovered) for each step committed on the local tier (or on the remote
+        tier, when local retention removed it since) after the last one this rank recorded there, whose
+        process was killed before recording it; a step whose
         upload is resumed (`resumed`) gets it once the upload ends. `remote`: the remote tier's uploader
         (None: no remote tier), which knows the steps committed there. A rank with no record in the directory recovers
         nothing (nothing tells its saves from steps copied in)."""
@@ -100,11 +101,15 @@ class SaveRecords:
         if last is None:
             return
         remote_steps = None if remote is None else remote.remote_steps()
-        for step in catalog.list_steps(storage).committed:
+        local_steps = set(catalog.list_steps(storage).committed)
+        for step in sorted(local_steps | (remote_steps or set())):  # a step local retention removed since: from the remote tier
             if step <= last or step in resumed:
                 continue
             if remote_steps is None:
                 self._recovered(step, ok=True, tier="local")
+            elif step not in local_steps:
+                assert remote is not None
+                self._recovered(step, ok=True, tier="local+remote", where=remote.remote)
             elif step in remote_steps or step < max(remote_steps, default=-1):  # uploaded (and since pruned there)
                 self._recovered(step, ok=True, tier="local+remote")
             else:
@@ -116,9 +121,10 @@ class SaveRecords:
         self._recovered(upload.step, ok=ok, tier="local+remote" if ok else "local", upload=upload,
                         error=None if ok else f"{type(upload.error).__name__}: {upload.error}")
 
-    def _recovered(self, step: int, *, ok: bool, tier: str, error: str | None = None, upload: UploadJob | None = None) -> None:
-        stats = recovered_stats(self._storage, step, rank=self._rank, world_size=self._world_size, ok=ok, tier=tier, error=error,
-                                upload=upload)
+    def _recovered(self, step: int, *, ok: bool, tier: str, error: str | None = None, upload: UploadJob | None = None,
+                   where: Storage | None = None) -> None:
+        stats = recovered_stats(where or self._storage, step, rank=self._rank, world_size=self._world_size, ok=ok, tier=tier,
+                                error=error, upload=upload)
         if stats is not None:
             self._acct.sink.emit(stats.as_dict(), now=True)
             log.info("checkpointing: step %d was committed by a process that stopped before recording it: recorded now "
