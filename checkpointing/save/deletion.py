@@ -73,11 +73,18 @@ class StepDeleter:
         holds may be waiting for a node to come back): delete() them to train on from `chosen`."""
         if self._coord.world_size > 1:
             return
-        self._inflight.settle()  # a resumed upload of one of them finishes first (its error stays for later)
-        self._worker.settle()
+        found: list[tuple[Storage, list[int]]] = []
         for storage in [self._local] + ([self._remote] if self._remote is not None else []):
             try:
-                newer = [s for s in catalog.list_steps(storage).committed if s > chosen]
+                found.append((storage, [s for s in catalog.list_steps(storage).committed if s > chosen]))
+            except (OSError, CheckpointError) as exc:
+                log.warning("checkpointing: could not list %s for the steps newer than %d: %s", storage.url, chosen, exc)
+        if not any(newer for _, newer in found):
+            return
+        self._inflight.settle()  # a resumed upload of one of them finishes first (its error stays for later)
+        self._worker.settle()
+        for storage, newer in found:
+            try:
                 for s in newer:
                     log.warning("checkpointing: step %d in %s could not be restored (restore() resumed from step %d): deleting it, "
                                 "so that training saves step %d again", s, storage.url, chosen, s)

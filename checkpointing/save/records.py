@@ -84,12 +84,12 @@ class SaveRecords:
                      upload.step, upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote)
 
     def recover(self, storage: Storage, *, resumed: set[int], remote: Uploader | None) -> None:
-        """At start: a record (SaveStats.recovered) for each step committed on the local tier (or on the remote
-        tier, when local retention removed it since) after the last one this rank recorded there, whose
-        process was killed before recording it; a step whose
-        upload is resumed (`resumed`) gets it once the upload ends. `remote`: the remote tier's uploader
-        (None: no remote tier), which knows the steps committed there. A rank with no record in the directory recovers
-        nothing (nothing tells its saves from steps copied in)."""
+        """At start: a record (SaveStats.recovered) for each step committed on the local tier (or on the
+        remote tier, when local retention removed it since) after the last one this rank recorded there,
+        whose process was killed before recording it; a step whose upload is resumed (`resumed`) gets it
+        once the upload ends. `remote`: the remote tier's uploader (None: no remote tier), which knows the
+        steps committed there. A rank with no record in the directory recovers nothing (nothing tells
+        its saves from steps copied in)."""
         self._storage = storage
         last = last_recorded_step(self._acct.sink.path, self._rank)
         with self._lock:
@@ -113,8 +113,8 @@ class SaveRecords:
             elif step in remote_steps or step < max(remote_steps, default=-1):  # uploaded (and since pruned there)
                 self._recovered(step, ok=True, tier="local+remote")
             else:
-                self._recovered(step, ok=False, tier="local", error="CheckpointUploadError: not uploaded (its process "
-                                "stopped first; the next save's upload carries what later steps need of it)")
+                self._recovered(step, ok=False, tier="local", error="CheckpointUploadError: not on the remote tier (its "
+                                "process stopped before uploading it, and this job does not resume that upload)")
 
     def _recovered_upload(self, upload: UploadJob) -> None:
         ok = upload.error is None
@@ -183,11 +183,12 @@ def recovered_stats(storage: Storage | None, step: int, *, rank: int, world_size
                     error: str | None = None, upload: UploadJob | None = None) -> SaveStats | None:
     """What the manifest of committed `step` tells of `rank`'s save of it (SaveStats.recovered); None
     when it cannot be read or another number of ranks saved it."""
+    if storage is None:
+        return None
     try:
-        assert storage is not None
         manifest, _ = catalog.committed_manifest(storage, step)
         when = storage.mtime(naming.commit_name(step))
-    except (AssertionError, CheckpointError, OSError):
+    except (CheckpointError, OSError):
         return None
     if manifest.world_size != world_size:
         return None
