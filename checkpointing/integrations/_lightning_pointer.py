@@ -76,8 +76,11 @@ def read_released(directory: str) -> set[int]:
 
 
 def write_released(directory: str, steps: set[int]) -> None:
-    """Record `steps` as released (read_released); none: the record goes."""
+    """Record `steps` as released (read_released); none: the record goes. Written (and fsynced) only
+    when it changes: the training thread calls this at each save while one is in flight."""
     path = os.path.join(directory, RELEASED_NAME)
+    if steps and steps == read_released(directory):
+        return
     if steps:
         _write_atomic(path, json.dumps({MAGIC: VERSION, "released": sorted(steps)}).encode())
     elif os.path.lexists(path):
