@@ -261,3 +261,19 @@ def test_the_loop_goes_on_after_restore_passed_over_a_damaged_step(tmp_path, how
     with CheckpointManager(root, read_only=True) as mgr:
         assert mgr.restore({"model": check, "optim": check_opt}) == 16
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(check, check_opt).values(), _snapshot(fresh, fresh_opt).values()))
+
+
+def test_committed_steps_this_tier_holds_no_data_of_are_an_error_not_a_fresh_start(tmp_path):
+    """The steps' data files name another local tier (the directory's TIER id changed: a directory
+    assembled from another node's): restore(step=None) must not answer None over committed steps."""
+    root = tmp_path / "ck"
+    net, opt = _model(0)
+    with CheckpointManager(root) as mgr:
+        for step in (10, 20):
+            _train(net, opt, step)
+            mgr.save(step, {"model": net, "optim": opt}).wait()
+    (root / "TIER").write_text("0123456789abcdef0123456789abcdef\n")
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(CheckpointCorruptError, match="no committed step .* can be read") as info:
+            mgr.restore({"model": net, "optim": opt})
+    assert "step 20" in str(info.value) and "step 10" in str(info.value)

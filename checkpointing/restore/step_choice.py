@@ -150,7 +150,8 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
         found.plans[s] = (plan, sources)
         if world_size == 1 and step is None:
             break  # one rank: the newest readable step is the answer
-    if step is None and damaged and len(damaged) == len(candidates):  # never a fresh start over committed steps
+    unreadable = candidates and not found.plans and (world_size == 1 or len(damaged) == len(candidates))
+    if step is None and unreadable and found.error is None:  # never a fresh start over committed steps
         found.error = CheckpointCorruptError(
             f"no committed step in {where} can be read: {'; '.join(found.notes)}. Nothing was restored; repair or remove "
             "the damaged steps' directories (checkpointing verify names what is damaged), or restore from another copy")
