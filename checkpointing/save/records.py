@@ -4,6 +4,10 @@ Called on the background threads: by the worker (ckpt-io) when a save without a 
 committed or failed, and after each upload (ckpt-upload) once the step is on the remote tier too.
 The record goes to metrics.jsonl and on_metrics once its step cost is final (observe/accounting.py),
 which may be right away; its step fields then replace it in `stats()` and on the job.
+
+At start-up (`recover`, from the manager, before any save): the saves an earlier process committed
+but was killed before recording get a record written from their manifests (SaveStats.recovered);
+one whose upload this process resumes gets it when that upload ends.
 """
 
 from __future__ import annotations
