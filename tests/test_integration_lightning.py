@@ -30,6 +30,7 @@ from checkpointing import CheckpointManager, CheckpointNotFoundError, StateError
 from checkpointing.format import naming  # noqa: E402
 from checkpointing.integrations import _lightning_pointer as ptr  # noqa: E402
 from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: E402
+from checkpointing.storage import LocalStorage  # noqa: E402
 
 STEPS_PER_EPOCH = 4
 EPOCHS = 4
@@ -259,7 +260,7 @@ def test_a_step_released_while_a_save_was_in_flight_is_deleted_by_the_next_run_a
         child.kill()  # SIGKILL: no teardown
         child.wait()
     assert 5 in _steps(store) and not (ckpts / "a.ckpt").exists()  # no pointer names it; only the record does
-    assert ptr.read_released(str(store)) == {5}
+    assert ptr.read_released(LocalStorage(store, direct=False, create=False)) == {5}
     io = LightningCheckpointIO(store, remote=remote)  # the next run
     io.save_checkpoint({"global_step": 9, "state_dict": {"w": torch.ones(8)}}, ckpts / "c.ckpt")
     io.teardown()

@@ -215,13 +215,19 @@ def test_a_newest_step_whose_commit_or_manifest_cannot_be_read_is_passed_over(tm
                        good["model/0.weight"] if expect == 10 else _snapshot(net, opt)["model/0.weight"])
 
 
-def test_every_committed_step_unreadable_is_an_error_not_a_fresh_start(tmp_path):
-    root = tmp_path / "ck"
+def _saved(root: Path, steps: tuple[int, ...]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model trained and saved at each of `steps` (default retention), as it is after the last."""
     net, opt = _model(0)
     with CheckpointManager(root) as mgr:
-        for step in (10, 20):
+        for step in steps:
             _train(net, opt, step)
             mgr.save(step, {"model": net, "optim": opt}).wait()
+    return net, opt
+
+
+def test_every_committed_step_unreadable_is_an_error_not_a_fresh_start(tmp_path):
+    root = tmp_path / "ck"
+    net, opt = _saved(root, (10, 20))
     _damage_commit_or_manifest(root, 10, "torn_commit")
     _damage_commit_or_manifest(root, 20, "manifest_bit")
     with CheckpointManager(root) as mgr:
@@ -237,11 +243,7 @@ def test_the_loop_goes_on_after_restore_passed_over_a_damaged_step(tmp_path, how
     """The README loop (start = restore() or 0; save every step) after the newest step was found damaged:
     restore() resumes from the older step and deletes the damaged one, so the loop saves that step again."""
     root = tmp_path / "ck"
-    net, opt = _model(0)
-    with CheckpointManager(root) as mgr:
-        for step in (5, 10, 15):
-            _train(net, opt, step)
-            mgr.save(step, {"model": net, "optim": opt}).wait()
+    _saved(root, (5, 10, 15))
     if how == "pack":
         [pack] = (root / "step-0000000015").glob("*.pack")
         flip_bits(pack, 100)
@@ -267,11 +269,7 @@ def test_committed_steps_this_tier_holds_no_data_of_are_an_error_not_a_fresh_sta
     """The steps' data files name another local tier (the directory's TIER id changed: a directory
     assembled from another node's): restore(step=None) must not answer None over committed steps."""
     root = tmp_path / "ck"
-    net, opt = _model(0)
-    with CheckpointManager(root) as mgr:
-        for step in (10, 20):
-            _train(net, opt, step)
-            mgr.save(step, {"model": net, "optim": opt}).wait()
+    net, opt = _saved(root, (10, 20))
     (root / "TIER").write_text("0123456789abcdef0123456789abcdef\n")
     with CheckpointManager(root) as mgr:
         with pytest.raises(CheckpointCorruptError, match="no committed step .* can be read") as info:

@@ -19,12 +19,12 @@ import dataclasses
 import json
 import os
 import secrets
-import stat
 import threading
 from typing import Any, Iterator
 
 import checkpointing
 from checkpointing.errors import CheckpointError
+from checkpointing.storage import Storage
 
 MAGIC = "lightning_checkpoint_io"
 VERSION = 1
@@ -62,29 +62,27 @@ def holds(directory: str, step: int, save_id: str, key: str) -> bool:
         return False
 
 
-def read_released(directory: str) -> set[int]:
-    """The steps of the manager directory `directory` an earlier LightningCheckpointIO released (no pointer
-    named them any more) and had not deleted yet when it stopped (a crash while a save was in flight)."""
-    try:  # never through a link, never a FIFO's blocking read
-        fd = os.open(os.path.join(directory, RELEASED_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            body = json.loads(f.read(MAX_POINTER_BYTES)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+def read_released(storage: Storage) -> set[int]:
+    """The steps of the manager directory (its local tier `storage`) an earlier LightningCheckpointIO
+    released (no pointer named them any more) and had not deleted yet when it stopped (a crash while
+    a save was in flight)."""
+    try:  # the tier's reads: never through a link, never a FIFO's blocking read
+        body = json.loads(storage.get(RELEASED_NAME, max_bytes=MAX_POINTER_BYTES))
         steps = body["released"] if isinstance(body, dict) and body.get(MAGIC) == VERSION else []
         return {s for s in steps if isinstance(s, int) and not isinstance(s, bool) and s >= 0}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, CheckpointError, ValueError, KeyError, TypeError):
         return set()  # none, or not ours: nothing is deleted for it
 
 
-def write_released(directory: str, steps: set[int]) -> None:
+def write_released(storage: Storage, steps: set[int]) -> None:
     """Record `steps` as released (read_released); none: the record goes. Written (and fsynced) only
     when it changes: the training thread calls this at each save while one is in flight."""
-    path = os.path.join(directory, RELEASED_NAME)
-    if steps and steps == read_released(directory):
+    if steps and steps == read_released(storage):
         return
     if steps:
-        _write_atomic(path, json.dumps({MAGIC: VERSION, "released": sorted(steps)}).encode())
-    elif os.path.lexists(path):
-        os.remove(path)
+        storage.put(RELEASED_NAME, json.dumps({MAGIC: VERSION, "released": sorted(steps)}).encode())
+    else:
+        storage.delete(RELEASED_NAME)
 
 
 def _write_atomic(path: str, data: bytes) -> None:

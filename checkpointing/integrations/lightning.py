@@ -272,7 +272,7 @@ class LightningCheckpointIO(CheckpointIO):
             vals.check_one_writer(self._options)
             self._mgr = CheckpointManager(self.directory, codecs=self._codecs, **self._options)
             self._on_disk = set(self._mgr.steps())
-            self._doomed |= ptr.read_released(self.directory) & self._on_disk  # an earlier run's, which stopped before deleting them
+            self._doomed |= ptr.read_released(self._mgr.storage) & self._on_disk  # an earlier run's, which stopped before deleting them
         return self._mgr
 
     def _overrides(self, checkpoint: Mapping[str, Any], target: str) -> dict | None:
@@ -350,7 +350,7 @@ class LightningCheckpointIO(CheckpointIO):
             if mgr is None or not self._doomed:
                 return
             if any(e.in_flight() for e in self._steps.values()):
-                ptr.write_released(self.directory, {s for s in self._doomed - self._referenced() if s in self._on_disk
+                ptr.write_released(mgr.storage, {s for s in self._doomed - self._referenced() if s in self._on_disk
                                                     and not (s in self._steps and self._steps[s].in_flight())})
                 return
             doomed, self._doomed = self._doomed - self._referenced(), set()
@@ -363,7 +363,7 @@ class LightningCheckpointIO(CheckpointIO):
             with self._lock:
                 self._on_disk.discard(step)
                 self._steps.pop(step, None)
-        ptr.write_released(self.directory, set())
+        ptr.write_released(mgr.storage, set())
 
     def _replace(self, step: int) -> None:
         """A save at `step`, committed by an earlier run: delete the old step and the pointers naming it."""

@@ -38,7 +38,7 @@ from checkpointing.format import naming
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from checkpointing.plan.retention import RetentionPolicy, as_policy, steps_to_delete
 from checkpointing.storage import Storage
-from checkpointing.tier.pins import PIN_PREFIX, read_pin
+from checkpointing.tier.pins import PIN_PREFIX, pins_in, read_pin
 
 log = logging.getLogger("checkpointing")
 
@@ -187,10 +187,8 @@ def _retire(storage: Storage, retire: list[int], dry_run: bool) -> catalog.StepL
     if not dry_run:
         for step in retire:
             storage.delete(naming.commit_name(step))
-            sdir = naming.step_dir(step)
-            for name in storage.list(sdir):
-                if name.startswith(PIN_PREFIX):
-                    storage.delete(f"{sdir}/{name}")
+            for pin in pins_in(storage, [step]).get(step, ()):
+                storage.delete(pin)
     return catalog.list_steps(storage)
 
 
