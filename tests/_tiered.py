@@ -66,6 +66,23 @@ def restore_remote(rank: int, world: int, base: str, url: str, options: dict, re
     return next(line for line in lines.lines if "restored step" in line)
 
 
+def crash_before_remote_commit(rank: int, world: int, base: str, url: str, options: dict, shared: bool) -> str:
+    """Rank 0 'dies' before the remote COMMIT of step 1; with `shared`, both ranks use one node's local tier."""
+    from faults import Fault, inject
+
+    from checkpointing import CheckpointManager, CheckpointUploadError
+
+    local = f"{base}/node0" if shared else f"{base}/node{rank}"
+    with CheckpointManager(local, remote=url, storage_options=options, timeout_s=60, upload_part_bytes=5 * MiB) as mgr:
+        if rank == 0:
+            inject(mgr.remote_storage, Fault("put_object", "crash", path="*/COMMIT"))
+        try:
+            mgr.save(1, {"x": torch.full((1 << 18,), float(rank)), "w": torch.arange(1 << 16, dtype=torch.float32)}).wait()
+        except CheckpointUploadError as exc:
+            return str(exc)
+    return "uploaded"
+
+
 def upload_fails_on_one_rank(rank: int, world: int, base: str, url: str, options: dict, bad_rank: int) -> list[str]:
     """Rank `bad_rank` gets 403s from the remote tier: the step stays local everywhere, every rank names it."""
     from faults import Fault, inject

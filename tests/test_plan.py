@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from checkpointing.options import MIN_CHUNK_BYTES
 from checkpointing.plan.pack import POOL_ALIGN, plan_pack, round_up
+from checkpointing.plan.resume import ResumeOffer, resume_plan
 from checkpointing.plan.retention import steps_to_delete
 
 PROPS = settings(max_examples=150, deadline=None)
@@ -168,3 +169,48 @@ def test_steps_to_delete_examples():
     for bad in (0, -1):
         with pytest.raises(ValueError):
             steps_to_delete([1], bad)
+
+
+# ---------------------------------------------------------------- resuming interrupted uploads
+
+
+def _offer(need: list[tuple[str, int]], have: set[str], digest: str = "d") -> ResumeOffer:
+    return ResumeOffer(digest, tuple(need), frozenset(have))
+
+
+NEED = [("step-1/a", 0), ("step-1/b", 1), ("step-0/c", 1)]  # an incremental step: one file from an earlier step
+
+
+def test_at_the_same_world_size_each_rank_sends_the_files_it_wrote():
+    everything = {p for p, _ in NEED}
+    plan = resume_plan([{1: _offer(NEED, everything)}, {1: _offer(NEED, everything)}])
+    assert plan.sends == {1: (("step-1/a",), ("step-1/b", "step-0/c"))} and plan.left == {}
+
+
+def test_on_fewer_ranks_the_lowest_holder_sends_what_its_writer_is_not_there_to_send():
+    everything = {p for p, _ in NEED}
+    assert resume_plan([{1: _offer(NEED, everything)}]).sends == {1: (("step-1/a", "step-1/b", "step-0/c"),)}
+    # three ranks restart, the third on a new node: the writers (0 and 1) still send their own files
+    plan = resume_plan([{1: _offer(NEED, {"step-1/a"})}, {1: _offer(NEED, everything)}, {1: _offer(NEED, set())}])
+    assert plan.sends == {1: (("step-1/a",), ("step-1/b", "step-0/c"), ())}
+
+
+def test_a_step_is_left_when_a_file_is_nowhere_or_a_rank_lacks_the_step_or_the_saves_differ():
+    plan = resume_plan([{1: _offer(NEED, {"step-1/a"}), 2: _offer(NEED, {"step-1/a"}), 3: _offer(NEED, set(), "x")},
+                        {2: _offer(NEED, {"step-1/b", "step-0/c"}), 3: _offer(NEED, set(), "y")}])
+    assert plan.sends == {2: (("step-1/a",), ("step-1/b", "step-0/c"))}
+    assert plan.left[1] == "not committed on the local tier of rank(s) 1"
+    assert plan.left[3] == "the ranks' local tiers hold different saves of it"
+    assert "no rank of this job holds 2 of its files" in resume_plan([{1: _offer(NEED, {"step-1/a"})}]).left[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sets(st.sampled_from([p for p, _ in NEED])), min_size=1, max_size=4))
+def test_a_resumed_step_sends_every_file_exactly_once_from_a_rank_that_holds_it(haves):
+    plan = resume_plan([{1: _offer(NEED, have)} for have in haves])
+    if set().union(*haves) == {p for p, _ in NEED}:
+        sent = [(r, p) for r, paths in enumerate(plan.sends[1]) for p in paths]
+        assert sorted(p for _, p in sent) == sorted(p for p, _ in NEED)
+        assert all(p in haves[r] for r, p in sent)
+    else:
+        assert 1 not in plan.sends and 1 in plan.left

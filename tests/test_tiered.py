@@ -24,6 +24,7 @@ from faults import Fault, InjectedCrash, inject
 from s3_server import SECRET, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 
 import _tiered
+import checkpointing
 from _dist import run_ranks
 from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointUploadError
 from checkpointing.tier import catalog
@@ -455,3 +456,25 @@ def test_ranks_resume_an_interrupted_upload_together(tmp_path, s3_bucket):
     assert catalog.list_steps(remote_of(s3_bucket)).incomplete == [1]
     assert run_ranks(_tiered.crash_then_resume, 2, base, url, options, "resume", tmp=tmp_path) == [{1: "local+remote"}] * 2
     assert assert_remote_whole(remote_of(s3_bucket)) == [1]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-node", "two-nodes"])
+def test_a_restart_on_fewer_ranks_resumes_the_upload_when_it_holds_every_file(tmp_path, s3_bucket, shared, caplog):
+    """Two ranks save step 1 and die before its remote COMMIT; one process restarts. On one node (a
+    shared local tier) it holds both ranks' files and uploads them all; with the other node lost it
+    cannot, says so, and the step stays local."""
+    base, url, options = _bucket_args(s3_bucket, tmp_path)
+    crashed = run_ranks(_tiered.crash_before_remote_commit, 2, base, url, options, shared, tmp=tmp_path)
+    assert all("InjectedCrash" in c for c in crashed), crashed
+    assert catalog.list_steps(remote_of(s3_bucket)).incomplete == [1]
+    with caplog.at_level(logging.INFO, logger="checkpointing"):
+        with CheckpointManager(f"{base}/node0", remote=url, storage_options=options) as mgr:
+            mgr.wait()
+            tiers = mgr.tiers()
+    if shared:
+        assert tiers == {1: "local+remote"} and assert_remote_whole(remote_of(s3_bucket)) == [1]
+        tree = checkpointing.load(url, storage_options=options, keys=["w", "x"], rank=1)
+        assert torch.equal(tree["w"], torch.arange(1 << 16, dtype=torch.float32)) and torch.equal(tree["x"], torch.full((1 << 18,), 1.0))
+    else:
+        assert tiers == {1: "local"} and catalog.list_steps(remote_of(s3_bucket)).committed == []
+        assert "its upload cannot resume: no rank of this job holds 1 of its files" in caplog.text

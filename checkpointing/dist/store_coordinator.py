@@ -252,13 +252,12 @@ class StoreCoordinator:
         return agreed_step([RestoreView(**json.loads(v)) for v in self.store.multi_get(view_keys)], requested)
 
     @store_errors
-    def agree_resume(self, mine: list[int]) -> list[int]:
-        """The interrupted uploads every rank can resume (each holds its own files of them locally)."""
-        self.store.set(keys.resume(self.rank), json.dumps(mine))
+    def gather_resume(self, offer: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's offer of interrupted uploads (plan/resume.py), indexed by rank."""
+        self.store.set(keys.resume(self.rank), json.dumps(offer))
         resume_keys = [keys.resume(r) for r in range(self.world_size)]
         self._wait(resume_keys, time.monotonic() + self.timeout_s, "start-up: agreeing on uploads to resume")
-        views = [set(json.loads(v)) for v in self.store.multi_get(resume_keys)]
-        return sorted(set.intersection(*views))
+        return [json.loads(v) for v in self.store.multi_get(resume_keys)]
 
     def barrier(self, name: str, error: str | None = None) -> None:
         failed = self.errors_at(name, error)

@@ -11,13 +11,13 @@ Call order for one save, on the ckpt-io thread of every rank (the same `seq` eve
 `share_written` once this rank knows what it writes -> `peer_written` (only when it may skip bytes
 its local-tier peers write) -> `commit` with its part; or, at any point of its part failing,
 `fail`. Collective calls on the training thread (every rank, the same order): `barrier`,
-`agree_restore`, `agree_resume`, `close`.
+`agree_restore`, `gather_resume`, `close`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from checkpointing.format.manifest import CommittedStep, Metrics
 from checkpointing.format.rank_reports import RankPart
@@ -131,8 +131,8 @@ class Coordinator(Exchange, Protocol):
         """The newest step every rank can read (or check `requested`); the error names who cannot."""
         ...
 
-    def agree_resume(self, mine: list[int]) -> list[int]:
-        """The interrupted uploads every rank can resume (each holds its own files of them locally)."""
+    def gather_resume(self, offer: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's offer of interrupted uploads (plan/resume.py), indexed by rank."""
         ...
 
     def remote_committer(self, local: Storage, remote: Storage) -> TierCommitter:

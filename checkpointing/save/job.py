@@ -167,6 +167,7 @@ class UploadJob:
     bytes_uploaded: int = 0
     bytes_present: int = 0  # already on the remote tier (earlier steps' files, or a resumed upload's)
     pin: str | None = None  # this rank's pin on the remote tier while the upload runs (collect.py)
+    sends: tuple[str, ...] | None = None  # a resumed upload's files this rank sends (plan/resume.py); None: the files it wrote
     error: BaseException | None = None
     error_reported: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)

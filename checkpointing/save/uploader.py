@@ -5,7 +5,7 @@ once the step is committed on the local tier; uploads then run one step at a tim
 (the same order on every rank, so each upload has the same number `seq` everywhere). Per step:
 
 1. Upload this rank's data: the first `primary_bytes` of each pack file the manifest says this rank
-   wrote (`FileEntry.rank`). Every primary copy lies in that prefix, so a tensor several ranks hold
+   wrote (`FileEntry.rank`; an upload resumed at start-up: the files plan/resume.py gives this rank). Every primary copy lies in that prefix, so a tensor several ranks hold
    goes up once in total; replicas kept for other local tiers stay local. Files go up from the
    local copy (os.pread of part-sized ranges): the staging pool is free for the next save already.
    A resumed upload skips objects that are already on the remote tier with their exact size
@@ -45,6 +45,7 @@ from checkpointing.format import naming
 from checkpointing.dist.types import Coordinator, TierCommitter
 from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format.manifest import CommittedStep
+from checkpointing.plan.resume import ResumeOffer, resume_plan
 from checkpointing.plan.retention import RetentionPolicy
 from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
@@ -163,7 +164,8 @@ class Uploader:
         assert job.committed is not None
         t0 = time.perf_counter()
         try:
-            mine = [f for f in job.committed.files if f.rank == self.rank and f.primary_bytes > 0]
+            mine = [f for f in job.committed.files if f.primary_bytes > 0 and
+                    (f.path in job.sends if job.sends is not None else f.rank == self.rank)]
             own_dir = naming.step_dir(job.step) + "/"
             earlier = [f.path for f in mine if not f.path.startswith(own_dir)]
             job.pin = pins.write_pin(self.remote, job.step, self.rank, naming.new_token(), earlier)
@@ -219,7 +221,8 @@ def start_uploader(
     """Start the upload thread, and resume the uploads an earlier process did not finish (a collective call).
 
     Resumed: the steps committed on every rank's local tier, newer than the newest step on the
-    remote tier, whose files each rank still holds (the ranks agree through the store).
+    remote tier, whose files the ranks hold between them (plan/resume.py; they agree through the
+    store). At another world size than the save's, the ranks holding a file send it.
     """
     try:
         listing = catalog.list_steps(remote)
@@ -228,9 +231,16 @@ def start_uploader(
     uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending,
                         cpu=CpuYield(yield_s))
     uploader.saw_remote(added=set(listing.committed))
-    mine = resume_candidates(local, listing.committed, rank=coord.rank, world_size=coord.world_size)
+    mine = resume_offers(local, listing.committed, rank=coord.rank)
     stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
-    agreed = coord.agree_resume(sorted(mine))
+    offers = [{int(s): ResumeOffer.from_json(o) for s, o in got.items()}
+              for got in coord.gather_resume({str(s): o.to_json() for s, (o, _) in mine.items()})]
+    plan = resume_plan(offers)
+    for step, why in plan.left.items():
+        if coord.rank == min(r for r, o in enumerate(offers) if step in o):  # said once
+            log.warning("checkpointing: step %d is committed locally but not on %s, and its upload cannot resume: %s "
+                        "(local retention may remove it; copy it with `checkpointing import`)", step, remote.url, why)
+    agreed = sorted(plan.sends)
     if coord.rank == 0:  # one job per prefix: a pin no upload of ours will remove is a crashed upload's
         try:
             collect.collect(remote, protect=set(agreed), pin_ttl_s=0, scan_committed=False)
@@ -241,7 +251,7 @@ def start_uploader(
     resumed = []
     for step in agreed:
         log.info("checkpointing: step %d is committed locally but not on %s: resuming its upload", step, remote.url)
-        job = UploadJob(step, committed=mine[step], t_local=time.perf_counter())
+        job = UploadJob(step, committed=mine[step][1], t_local=time.perf_counter(), sends=plan.sends[step][coord.rank])
         uploader.submit(job)
         resumed.append(job)
     return uploader, resumed
@@ -255,10 +265,10 @@ def _pins_quietly(remote: FsspecStorage, steps: Iterable[int]) -> dict[int, list
         return {}
 
 
-def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank: int, world_size: int) -> dict[int, CommittedStep]:
-    """Local committed steps newer than the newest remote one whose upload this rank can do (its files are here)."""
+def resume_offers(local: LocalStorage, remote_committed: list[int], *, rank: int) -> dict[int, tuple[ResumeOffer, CommittedStep]]:
+    """This rank's offer (plan/resume.py) for each local committed step newer than the newest remote one."""
     newest = max(remote_committed, default=-1)
-    out: dict[int, CommittedStep] = {}
+    out: dict[int, tuple[ResumeOffer, CommittedStep]] = {}
     for step in catalog.list_steps(local).committed:
         if step <= newest:
             continue
@@ -267,12 +277,9 @@ def resume_candidates(local: LocalStorage, remote_committed: list[int], *, rank:
         except CheckpointError as exc:
             log.warning("checkpointing: not uploading step %d: %s", step, exc)
             continue
-        if manifest.world_size != world_size:
-            log.info("checkpointing: not uploading step %d (saved by %d ranks, this job has %d)", step, manifest.world_size, world_size)
-            continue
-        mine = [f for f in manifest.files if f.rank == rank and f.primary_bytes]
-        if all(_local_size(local, f.path) >= f.primary_bytes for f in mine):
-            out[step] = CommittedStep.of(manifest, digest)
+        need = [f for f in manifest.files if f.primary_bytes]
+        have = frozenset(f.path for f in need if _local_size(local, f.path) >= f.primary_bytes)
+        out[step] = (ResumeOffer(digest, tuple((f.path, f.rank) for f in need), have), CommittedStep.of(manifest, digest))
     return out
 
 
