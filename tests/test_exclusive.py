@@ -152,6 +152,17 @@ def test_gc_takes_the_lock_and_dry_run_does_not(tmp_path):
     assert run().returncode == 0
 
 
+def test_gc_and_rm_on_a_directory_without_checkpoints_leave_it_as_it_was(tmp_path):
+    d = tmp_path / "not-a-checkpoint"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "checkpointing", *a], env=child_env(), capture_output=True, text=True)  # noqa: E731
+    assert run("gc", str(d), "--min-age-s", "0").returncode == 0
+    r = run("rm", str(d), "--step", "3")
+    assert r.returncode == 2 and "step 3 is not committed" in r.stdout + r.stderr
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+
+
 def _two_ranks_share(rank: int, world: int, directory: str) -> list[int]:
     with CheckpointManager(directory) as mgr:
         mgr.save(3, {"t": torch.full((8,), float(rank))})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 from typing import Any
 
 from rich.console import Console
@@ -248,16 +249,16 @@ def gc(args: argparse.Namespace, console: Console) -> int:
     """Remove (--dry-run: list) what no committed step references, saying why each is removed or left."""
     storage = open_target(args.dir, args.storage_option)
     options = dict(min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, measure=True, drop_spares=True)
-    if args.dry_run:
-        result = collect.collect(storage, dry_run=True, **options)
-    else:  # removing: only under the directory's writer lock (a manager writing there holds it: tidying is its job then)
+    result = collect.collect(storage, dry_run=True, **options)
+    # removing: only under the directory's writer lock (a manager writing there holds it: tidying is its job then);
+    # a directory no manager ever wrote to, with nothing to remove, is left as it was (no WRITER file made)
+    if not args.dry_run and (result.garbage or _has_lock_file(storage)):
         try:
             held = writer_lock.acquire(storage.root, purpose="checkpointing gc") if isinstance(storage, LocalStorage) else None
         except CheckpointError as exc:
             raise fmt.CommandFailed(f"{exc}; `checkpointing gc --dry-run` needs no lock") from None
         try:
-            total = len(collect.collect(storage, dry_run=True, min_age_s=args.min_age_s, pin_ttl_s=args.pin_ttl_s, drop_spares=True).garbage)
-            with Bar(console, "removing", total) as bar:
+            with Bar(console, "removing", len(result.garbage)) as bar:  # about as many as the look above found
                 result = collect.collect(storage, on_delete=lambda g: bar.advance(), **options)
         finally:
             if held is not None:
@@ -282,10 +283,15 @@ def gc(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _has_lock_file(storage: object) -> bool:
+    return isinstance(storage, LocalStorage) and os.path.lexists(os.path.join(storage.root, writer_lock.LOCK_NAME))
+
+
 def rm(args: argparse.Namespace, console: Console) -> int:
     """Delete one committed step (what only it references goes; chunks later steps use stay), as mgr.delete does
     on one tier: the newest step only with --force, a local directory only under its writer lock."""
     storage = open_target(args.dir, args.storage_option)
+    committed_step(storage, args.step)  # a step that is not there needs no lock (nor a WRITER file where there was none)
     try:  # a manager writing there holds the lock: it deletes with mgr.delete(step), in that process
         held = writer_lock.acquire(storage.root, purpose="checkpointing rm") if isinstance(storage, LocalStorage) else None
     except CheckpointError as exc:
