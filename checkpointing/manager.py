@@ -252,12 +252,12 @@ class CheckpointManager:
 
     def tiers(self) -> dict[int, str]:
         """Each committed step -> where it is durable: 'local', 'local+remote' or 'remote' (ascending); with
-        peer_copies, '+peer' where every peer of this rank's node holds a committed copy ('local+peer+remote').
+        peer_copies, '+peer' where every peer of this rank's node holds a committed copy ('local+peer+remote'; a replaced node's fetched-back step is 'local').
 
         Lists the remote tier (one request per step there); if it cannot be reached the answer is
         the local tier plus the steps this manager knows it uploaded, and a warning is logged.
         """
-        return self._peers.tier_states(tier_states(catalog.list_steps(self.storage).committed, self._remote_steps()))
+        return self._peers.tier_states(tier_states(self._peers.on_disk(catalog.list_steps(self.storage).committed), self._remote_steps()))
 
     def _remote_steps(self) -> list[int] | None:
         if self.remote_storage is None:

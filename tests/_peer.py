@@ -217,9 +217,10 @@ def restore_after_loss(rank: int, world: int, base: str, per_node: int, expect: 
         seconds = time.perf_counter() - t0
         assert step == expect, (step, expect)
         assert same(target, state(rank, expect, rank // per_node)), "restored state differs"
+        tiers = mgr.tiers()
         if then_save is not None:
             mgr.save(then_save, state(rank, then_save, rank // per_node)).wait()
-    return {"lines": lines.lines, "seconds": seconds}
+    return {"lines": lines.lines, "seconds": seconds, "tiers": tiers}
 
 
 def killed_mid_copy(rank: int, world: int, base: str, victim: int, timeout_s: float) -> dict[str, Any]:

@@ -80,8 +80,10 @@ NODES = {0: (0, 1), 2: (2, 3), 4: (4, 5)}
 def test_a_replaced_node_fetches_the_newest_step_every_node_can_read():
     hosted = [Hosted(2, "old0", (0, 1), 6, (10, 20)), Hosted(4, "old0", (0, 1), 6, (20,)), Hosted(0, "t2", (2, 3), 6, (10, 20))]
     local = {0: set(), 2: {10, 20}, 4: {10, 20}}
-    assert fetch_plan(0, NODES, 6, local=local, hosted=hosted) == [Fetch("old0", 20, (2, 4))]
+    # step 20 first; should its copies arrive damaged, step 10 (node 2 alone holds it)
+    assert fetch_plan(0, NODES, 6, local=local, hosted=hosted) == [Fetch("old0", 20, (2, 4)), Fetch("old0", 10, (2,))]
     assert fetch_plan(0, NODES, 6, local=local, hosted=hosted, requested=10) == [Fetch("old0", 10, (2,))]
+    assert fetch_plan(0, NODES, 6, local=local, hosted=hosted, requested=20) == [Fetch("old0", 20, (2, 4))]
     for other in (2, 4):  # they hold it on their own disks
         assert fetch_plan(other, NODES, 6, local=local, hosted=hosted) == []
 
@@ -90,7 +92,9 @@ def test_a_step_whose_copy_never_committed_is_not_the_target_an_older_one_is():
     # node 0 lost; its copy of step 30 never committed on node 2 (the peer died mid-copy)
     hosted = [Hosted(2, "old0", (0, 1), 6, (10, 20))]
     local = {0: set(), 2: {10, 20, 30}, 4: {10, 20, 30}}
-    assert fetch_plan(0, NODES, 6, local=local, hosted=hosted) == [Fetch("old0", 20, (2,))]
+    assert fetch_plan(0, NODES, 6, local=local, hosted=hosted) == [Fetch("old0", 20, (2,)), Fetch("old0", 10, (2,))]
+    # the remote tier holds step 20: should its copy arrive damaged, restore reads it from there (no older step)
+    assert fetch_plan(0, NODES, 6, local=local, hosted=hosted, remote={20}) == [Fetch("old0", 20, (2,))]
     # the remote tier holds step 30: it is the target, and no peer has it, so nothing is fetched (read remotely)
     assert fetch_plan(0, NODES, 6, local=local, hosted=hosted, remote={30}) == []
 
@@ -112,7 +116,8 @@ def test_nothing_is_fetched_that_the_node_holds_or_other_ranks_or_world_sizes_wr
 def test_fetch_plan_properties(entries, local, remote, me):
     hosted = [Hosted(h, t, r, 6, tuple(sorted(s))) for h, t, r, s in entries]
     plan = fetch_plan(me, NODES, 6, local=local, hosted=hosted, remote=remote)
-    assert len(plan) <= 1
+    assert [f.step for f in plan] == sorted({f.step for f in plan}, reverse=True)  # newest first, each step once
+    assert all(f.step not in remote for f in plan[:-1])  # nothing older than a step the remote tier holds
     reach = {n: set(local.get(n, ())) | remote | {s for h in hosted if h.ranks == NODES[n] for s in h.steps} for n in NODES}
     common = set.intersection(*reach.values())
     if not plan:
@@ -121,7 +126,8 @@ def test_fetch_plan_properties(entries, local, remote, me):
             h.host != me and h.ranks == NODES[me] and target in h.steps for h in hosted) or any(
             h.host == me and h.ranks == NODES[me] and target in h.steps for h in hosted)
         return
-    [f] = plan
-    assert f.step == max(common) and f.step not in local.get(me, ())  # the step the ranks will restore, lacking here
-    assert me not in f.hosts and f.hosts == tuple(sorted(f.hosts))
-    assert all(any(h.host == host and h.tier == f.tier and f.step in h.steps and h.ranks == NODES[me] for h in hosted) for host in f.hosts)
+    assert plan[0].step <= max(common)  # the step the ranks will restore, else (its copy held nowhere) older ones
+    for f in plan:
+        assert f.step in common and f.step not in local.get(me, ())  # steps every node reads, lacking here
+        assert me not in f.hosts and f.hosts == tuple(sorted(f.hosts))
+        assert all(any(h.host == host and h.tier == f.tier and f.step in h.steps and h.ranks == NODES[me] for h in hosted) for host in f.hosts)

@@ -47,6 +47,8 @@ def test_a_lost_node_restores_bit_exactly_from_its_peer_without_a_remote_tier(tm
                 assert any("fetched back step 2" in m and "peer rank 0 (host 127.0.0.1" in m for m in r["lines"]), r["lines"]
         else:
             assert "peer copy" not in line, line  # the others read their own disks
+        # every rank lists the step it restored (the replaced node: its fetched-back copy); the lost disk held the others' copies
+        assert r["tiers"] == ({1: "local", 2: "local"} if rank // per_node != lost else {2: "local"}), (rank, r["tiers"])
     # the next save's copies replace the replaced node's old tier everywhere (on its peer, and its fetched-back copy)
     new = _tier(tmp_path, lost)
     assert new != old
@@ -62,21 +64,37 @@ def test_with_a_remote_tier_the_peer_copy_is_preferred(tmp_path, s3_bucket):
     assert "from the peer copy" in line and "remote tier" not in line, line
 
 
-def test_a_damaged_peer_copy_falls_back_to_the_remote_tier(tmp_path, s3_bucket):
-    run_ranks(_peer.save_steps, 2, str(tmp_path), 1, [1, 2], s3_bucket, tmp=tmp_path)
-    old = _tier(tmp_path, 1)
-    shutil.rmtree(tmp_path / "node1")
-    replica = LocalStorage(tmp_path / "node0" / "peers" / old, create=False)
-    pack = next(f.path for f in catalog.load_manifest(replica, 2).files if f.tier == old and f.path.startswith(naming.step_dir(2)))
+def _rot_peer_copy(base: Path, step: int) -> None:
+    """Node 1 is lost, and bit rot hit node 0's copy of its `step`."""
+    old = _tier(base, 1)
+    shutil.rmtree(base / "node1")
+    replica = LocalStorage(base / "node0" / "peers" / old, create=False)
+    pack = next(f.path for f in catalog.load_manifest(replica, step).files if f.tier == old and f.path.startswith(naming.step_dir(step)))
     path = Path(replica.root, pack)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40  # bit rot in the peer's copy of step 2
+    data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
+
+
+def test_a_damaged_peer_copy_falls_back_to_the_remote_tier(tmp_path, s3_bucket):
+    run_ranks(_peer.save_steps, 2, str(tmp_path), 1, [1, 2], s3_bucket, tmp=tmp_path)
+    _rot_peer_copy(tmp_path, 2)
     out = run_ranks(_peer.restore_after_loss, 2, str(tmp_path), 1, 2, s3_bucket, tmp=tmp_path)
     lines = out[1]["lines"]
     assert any("could not fetch step 2" in m and "arrived damaged" in m for m in lines), lines
     line = _restored_line(lines)
     assert "from the remote tier" in line, line
+
+
+def test_without_a_remote_tier_a_damaged_peer_copy_falls_back_to_the_older_step_a_peer_holds(tmp_path):
+    run_ranks(_peer.save_steps, 2, str(tmp_path), 1, [1, 2, 3], tmp=tmp_path)
+    _rot_peer_copy(tmp_path, 3)
+    out = run_ranks(_peer.restore_after_loss, 2, str(tmp_path), 1, 2, tmp=tmp_path)
+    lines = out[1]["lines"]
+    assert any("could not fetch step 3" in m and "arrived damaged" in m for m in lines), lines
+    assert any("fetched back step 2" in m for m in lines), lines
+    assert "from the peer copy" in _restored_line(lines)
+    assert out[1]["tiers"] == {2: "local"} and out[0]["tiers"] == {1: "local", 2: "local", 3: "local"}
 
 
 def test_a_peer_killed_mid_copy_leaves_nothing_restore_trusts_and_an_older_step_is_restored(tmp_path):

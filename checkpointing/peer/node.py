@@ -74,6 +74,9 @@ class NoPeers:
     def before_restore(self, step: int | None = None, remote: Collection[int] = ()) -> dict[str, Storage]:
         return {}
 
+    def on_disk(self, local: list[int]) -> list[int]:
+        return local
+
     def tier_states(self, states: dict[int, str]) -> dict[int, str]:
         return states
 
@@ -208,6 +211,13 @@ class Peers:
         if self._recovery is not None:
             self._recovery.fetch_back(step, set(remote))
         return dict(self.area.storages())
+
+    def on_disk(self, local: list[int]) -> list[int]:
+        """The steps committed on the local tier (`local`) and those this node's ranks can restore from a
+        copy of their own former tier on this node's disk (fetched back after the node was replaced)."""
+        node = self.node
+        own = [t for t in self.area.tiers() if t != node.tier and self.area.source(t) == (tuple(node.ranks), node.world_size)]
+        return sorted(set(local).union(*(self.area.committed(t) for t in own)))
 
     def tier_states(self, states: dict[int, str]) -> dict[int, str]:
         """mgr.tiers() with "+peer" on the steps every peer of this node holds a committed copy of."""

@@ -9,8 +9,8 @@ A collective step of restore() (every rank, in the same order), before the ranks
    replaced machine: an empty local directory and a new TIER id; or a lost step directory), and a
    peer holds a replica its ranks wrote of it, fetches that replica back into its own peer area
    (server.pull: the copy is verified chunk by chunk and committed there, like a save's copy), from
-   the first holder that answers; then it publishes `peer/fetched/<n>/<rank>`, bumping a beat
-   while it works.
+   the first holder that answers (should every copy arrive damaged, the next older step every node
+   can read, and so on); then it publishes `peer/fetched/<n>/<rank>`, bumping a beat while it works.
 3. The other ranks of its node wait for that (a silent leader is waited for timeout_s).
 
 Then every rank reads from its local tier, the replicas on its node's disk, or the remote tier
@@ -98,14 +98,16 @@ class Recovery:
                         "are" if len(lost) > 1 else "is", rank_ranges(node.ranks), "them" if len(lost) > 1 else "it")
 
     def _fetch_all(self, plan: list[Fetch]) -> None:
+        """The first step of the plan that arrives whole (plan/peers.fetch_plan: the step to restore, then older ones)."""
         for fetch in plan:
             try:
-                self._fetch(fetch)
+                if self._fetch(fetch):
+                    return
             except Exception as exc:  # noqa: BLE001 - a fetch is an optimisation: restore goes on without it
                 log.warning("checkpointing: rank %d: fetching step %d back failed: %s: %s", self.node.rank, fetch.step,
                             type(exc).__name__, exc)
 
-    def _fetch(self, fetch: Fetch) -> None:
+    def _fetch(self, fetch: Fetch) -> bool:
         node = self.node
         for host in fetch.hosts:
             if host not in node.addresses:
@@ -121,6 +123,8 @@ class Recovery:
             log.info("checkpointing: rank %d fetched back step %d (its node's former tier %s) from the peer copy on %s: "
                      "%.1f MB received (%.1f MB held already) in %.2f s, into %s", node.rank, fetch.step, fetch.tier, node.who(host),
                      got / 1e6, reused / 1e6, time.perf_counter() - t0, self._area.storage(fetch.tier).url)
-            return
+            return True
         log.warning("checkpointing: rank %d: no peer could send back step %d of its node's former tier %s: that step is read from "
-                    "the remote tier if it holds it, else skipped", node.rank, fetch.step, fetch.tier)
+                    "the remote tier if it holds it, else skipped (an older step is fetched instead, if a peer holds one)",
+                    node.rank, fetch.step, fetch.tier)
+        return False

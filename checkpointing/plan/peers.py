@@ -79,26 +79,33 @@ class Fetch:
 
 def fetch_plan(me: int, nodes: Mapping[int, Collection[int]], world_size: int, *, local: Mapping[int, Collection[int]],
                hosted: Sequence[Hosted], remote: Collection[int] = (), requested: int | None = None) -> list[Fetch]:
-    """What node `me` fetches back before a restore: the step the ranks will restore (`requested`, else
-    the newest step every node can read: on its local tier, in a replica its own ranks wrote at this
-    world size, wherever that replica is, or on the remote tier), when `me` holds it neither on its
-    local tier nor in a replica on its own disk; with the hosts that hold a replica of it, in rank
-    order. `nodes`: leader rank -> its ranks; `local`: leader rank -> steps committed on its local tier.
-    Only that one step travels: a restore reads one step, and a lost node's disk should not fill with
-    replicas of older steps nobody asked for (restore(step=k) of another step fetches that one)."""
+    """What node `me` fetches back before a restore, in order of preference: the fetcher takes the first
+    that arrives whole. First the step the ranks will restore (`requested`, else the newest step every
+    node can read: on its local tier, in a replica its own ranks wrote at this world size, wherever that
+    replica is, or on the remote tier), when `me` holds it neither on its local tier nor in a replica on
+    its own disk; with the hosts that hold a replica of it, in rank order. Then, with `requested` None,
+    should that copy arrive damaged, the next older step every node can read, and so on, until a step
+    `me` holds already or the remote tier holds (restore reads that one from there). `nodes`: leader
+    rank -> its ranks; `local`: leader rank -> steps committed on its local tier. Only what the restore
+    reads travels: a lost node's disk should not fill with replicas of older steps nobody asked for
+    (restore(step=k) of another step fetches that one)."""
     def own(leader: int) -> list[Hosted]:
         ranks = tuple(sorted(nodes[leader]))
         return [h for h in hosted if h.ranks == ranks and h.world_size == world_size]
 
     readable = {leader: set(local.get(leader, ())) | set(remote) | {s for h in own(leader) for s in h.steps} for leader in nodes}
     common = set.intersection(*readable.values()) if readable else set()
-    target = requested if requested is not None else max(common, default=None)
-    if target is None or target in local.get(me, ()) or any(h.host == me and target in h.steps for h in own(me)):
-        return []
-    holders = [h for h in own(me) if h.host != me and target in h.steps]
-    if not holders:
-        return []
-    by_tier: dict[str, list[int]] = {}
-    for h in holders:
-        by_tier.setdefault(h.tier, []).append(h.host)
-    return [Fetch(tier, target, tuple(sorted(set(hosts)))) for tier, hosts in sorted(by_tier.items())][:1]
+    newest = requested if requested is not None else max(common, default=None)
+    candidates = [] if newest is None else [newest] if requested is not None else sorted((s for s in common if s <= newest), reverse=True)
+    plan = []
+    for step in candidates:
+        if step in local.get(me, ()) or any(h.host == me and step in h.steps for h in own(me)):
+            break  # readable here: nothing older is needed
+        by_tier: dict[str, list[int]] = {}
+        for h in own(me):
+            if h.host != me and step in h.steps:
+                by_tier.setdefault(h.tier, []).append(h.host)
+        plan += [Fetch(tier, step, tuple(sorted(set(hosts)))) for tier, hosts in sorted(by_tier.items())][:1]
+        if step in remote:
+            break  # if its copy does not arrive, restore reads it from the remote tier
+    return plan
