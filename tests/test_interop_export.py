@@ -150,6 +150,24 @@ def test_export_refuses_to_overwrite_without_force(tmp_path, run_cli):
     assert torch.load(pt, weights_only=True)["tensors"]["model/w0"].dtype == torch.float16
 
 
+def test_export_never_writes_into_the_checkpoint_it_reads_nor_to_a_url(tmp_path, run_cli):
+    ck = tmp_path / "ck"
+    _save(ck, {"w": torch.randn(8, 8)}, step=5)
+    (tmp_path / "link").symlink_to(ck)
+    manifest = next((ck / "step-0000000005").glob("manifest.*.json"))
+    before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file() and p.name != "WRITER"}
+    for out, extra in ((ck, ("--format", "safetensors")), (ck / "step-0000000005" / "full.pt", ()), (manifest, ("--force",)),
+                       (tmp_path / "link" / "step-0000000005", ("--format", "safetensors", "--force"))):
+        code, text = run_cli("export", str(ck), "--out", str(out), *extra)
+        assert code == 2 and "inside the checkpoint directory" in text and "Traceback" not in text, text
+    after = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file() and p.name != "WRITER"}
+    assert after == before  # the committed step is as it was
+    code, text = run_cli("export", str(ck), "--out", "s3://bucket/hf", "--format", "safetensors")
+    assert code == 2 and "local path" in text and not (Path.cwd() / "s3:").exists()
+    with pytest.raises(CheckpointConfigError, match="inside the checkpoint directory"):
+        export_torch(ck, ck / "x.pt")
+
+
 def test_tiny_gpt2_exported_loads_with_from_pretrained_and_gives_identical_logits(tmp_path, run_cli, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

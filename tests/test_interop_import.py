@@ -132,6 +132,31 @@ def test_a_torch_export_imports_back_into_the_layout_it_was_saved_in(tmp_path):
     assert torch.equal(extra["a/b"], weird["a/b"]) and torch.equal(extra["100%"], weird["100%"])
 
 
+def test_a_torch_export_of_tied_weights_holds_each_key_and_imports_back_tied(tmp_path):
+    from checkpointing.interop import export_torch
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    model = Tied()
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, {"model": model}).wait()
+    export_torch(tmp_path / "run", tmp_path / "full.pt", only="model")
+    tensors = torch.load(tmp_path / "full.pt", weights_only=True)["tensors"]
+    assert sorted(tensors) == ["emb.weight", "head.weight"] and tensors["emb.weight"].data_ptr() == tensors["head.weight"].data_ptr()
+    Tied().load_state_dict(tensors)  # the file loads into the model as it is
+    export_torch(tmp_path / "run", tmp_path / "all.pt")
+    import_checkpoint(tmp_path / "all.pt", tmp_path / "ck", 3)
+    fresh = Tied()
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        assert mgr.restore({"model": fresh}) == 3
+    assert torch.equal(fresh.emb.weight, model.emb.weight) and fresh.head.weight is fresh.emb.weight
+
+
 def test_sharded_hugging_face_directory_imports_as_one_step(tmp_path, run_cli, offline):
     model = _gpt2(0)
     model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

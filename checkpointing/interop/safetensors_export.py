@@ -34,7 +34,7 @@ import torch
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.format.dtypes import dtype_from_name, dtype_name
 from checkpointing.interop.naming import Named, name_tensors
-from checkpointing.interop.source import OpenStep, open_step
+from checkpointing.interop.source import OpenStep, export_path, open_step
 from checkpointing.interop.types import Conversion, ExportResult, parse_size
 from checkpointing.restore.reading import READ_THREADS
 from checkpointing.storage import Storage
@@ -71,9 +71,9 @@ def export_safetensors(
     conv = Conversion.of(only, exclude, strip_prefix, dtype)
     _need_safetensors()
     limit = parse_size(max_shard_size)
-    out_dir = Path(out)
-    _check_out(out_dir, force)
     opened = open_step(source, step, storage_options=storage_options)
+    out_dir = export_path(out, opened.storage)
+    _check_out(out_dir, force)
     named = name_tensors(opened.manifest, conv, "dotted")
     sizes = [_out_bytes(n, conv) for n in named]
     groups = plan_files(sizes, limit)

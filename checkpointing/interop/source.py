@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -26,7 +27,7 @@ from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.load import open_readonly
 from checkpointing.restore.reading import ReadBox, Sources, read_box
-from checkpointing.storage import Storage
+from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.tierfile import read_tier_id
 from checkpointing.tier.verify import in_short, missing_files
@@ -104,3 +105,20 @@ def check_extent(storage: Storage, manifest: Manifest) -> None:
             f"step {manifest.step}: its tensors need {manifest.nbytes} bytes, but the data files in {storage.url} hold only "
             f"{sum(sizes.values())}: the manifest is damaged, or the step's files are on other tiers (export from the remote tier)"
         )
+
+
+def export_path(out: str | os.PathLike, source: Storage) -> Path:
+    """`out` as the local path an export writes: refused where it is a URL, or where it lies inside the
+    checkpoint being read (followed through links): an export never writes into a tier."""
+    text = os.fspath(out)
+    if "://" in text:
+        raise CheckpointConfigError(f"--out {text}: an export is written to a local path (a file for --format torch, a directory "
+                                    "for safetensors); write it locally, then copy it where it should go")
+    root = source.root if isinstance(source, LocalStorage) else \
+        getattr(source, "root", None) if getattr(source, "protocol", None) in ("file", "local") else None
+    if root is not None:
+        real_root, real_out = Path(os.path.realpath(root)), Path(os.path.realpath(text))
+        if real_out == real_root or real_root in real_out.parents:
+            raise CheckpointConfigError(f"--out {text} lies inside the checkpoint directory {real_root} being exported: "
+                                        "an export never writes into a checkpoint (it could replace its files); choose a path outside it")
+    return Path(text)

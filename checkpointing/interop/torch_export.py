@@ -4,8 +4,8 @@ The file holds only tensors, strings and ints:
     {"step": N, "world_size": W, "tensors": {name: full tensor, ...}}
 so `torch.load(path, weights_only=True)` reads it without unpickling arbitrary objects. Names are
 the manifest's keys ("model/0.weight"; naming.py, style "keys"); `only` / `exclude` / `strip_prefix`
-/ `dtype` select, rename and cast as for the safetensors export. Tied weights are written once,
-under their first key; a key the saving ranks held different tensors under is written once per
+/ `dtype` select, rename and cast as for the safetensors export. Tied weights are one tensor under
+each of their keys (torch.save stores its bytes once), so the file loads into the model; a key the saving ranks held different tensors under is written once per
 tensor ("key", "key#2", ...). Every chunk is verified on the way, as a restore would.
 
 Unlike the safetensors export this is not streamed: torch.save writes one object, so the selected
@@ -24,7 +24,7 @@ import torch
 
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.interop.naming import name_tensors
-from checkpointing.interop.source import open_step
+from checkpointing.interop.source import export_path, open_step
 from checkpointing.interop.types import Conversion, ExportResult
 from checkpointing.storage import Storage
 
@@ -47,18 +47,20 @@ def export_torch(
     The arguments are export_safetensors's (checkpointing.interop), less max_shard_size.
     """
     conv = Conversion.of(only, exclude, strip_prefix, dtype)
-    path = Path(out)
+    opened = open_step(source, step, storage_options=storage_options)
+    path = export_path(out, opened.storage)
     if path.is_dir():
         raise CheckpointConfigError(f"{path} is a directory: the torch export writes one file (--out FILE)")
     if path.exists() and not force:
         raise CheckpointConfigError(f"{path} exists: pass --force (force=True) to replace it, or choose another file")
-    opened = open_step(source, step, storage_options=storage_options)
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0
     named = name_tensors(opened.manifest, conv, "keys")
     for n in named:
         t = conv.cast(opened.read(n.entry))
         tensors[n.name] = t
+        for alias in n.aliases:  # a tied weight: the same tensor, which torch.save stores once
+            tensors[alias] = t
         nbytes += t.numel() * t.element_size()
         if progress is not None:
             progress(1)
