@@ -157,6 +157,16 @@ def test_a_torch_export_of_tied_weights_holds_each_key_and_imports_back_tied(tmp
     assert torch.equal(fresh.emb.weight, model.emb.weight) and fresh.head.weight is fresh.emb.weight
 
 
+@pytest.mark.parametrize("tied", ['{"b": ["a"]}', '["a"]', '{"": "a"}', "{"])
+def test_a_safetensors_file_with_malformed_tie_metadata_imports_its_tensors_without_the_ties(tmp_path, tied):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(3), "b": torch.zeros(2)}, tmp_path / "x.safetensors", metadata={"checkpointing.tied": tied})
+    import_checkpoint(tmp_path / "x.safetensors", tmp_path / "ck", 0)
+    tree = checkpointing.load(tmp_path / "ck")
+    assert sorted(tree) == ["a", "b"] and torch.equal(tree["b"], torch.zeros(2))
+
+
 def test_sharded_hugging_face_directory_imports_as_one_step(tmp_path, run_cli, offline):
     model = _gpt2(0)
     model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

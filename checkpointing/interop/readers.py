@@ -153,9 +153,11 @@ def _read_safetensors(src: Path, select: Selection, loaded: Loaded | None = None
             if select.wants(join_key((name,))):
                 out.state[name] = f.get_tensor(name)  # memory-mapped: no copy until it is written
     try:
-        out.tied.update(json.loads(meta.get("checkpointing.tied", "{}")))
+        tied = json.loads(meta.get("checkpointing.tied", "{}"))
     except ValueError:
-        pass  # not ours, or damaged: ties are then restored by import_checkpoint(tie=...) only
+        tied = None
+    if isinstance(tied, dict) and all(isinstance(a, str) and a and isinstance(n, str) and n for a, n in tied.items()):
+        out.tied.update(tied)  # else not ours, or damaged: ties are then restored by import_checkpoint(tie=...) only
     return out
 
 
