@@ -67,3 +67,25 @@ def test_groups_of_other_sizes_are_not_mapped_by_position(tmp_path):
         _, osd = get_state_dict(other, opt_other)
         with pytest.raises(CheckpointMismatchError):
             mgr.restore({"optim": osd})
+
+
+def test_an_optimizer_of_other_groups_or_another_class_is_refused_before_the_model_is_touched(tmp_path):
+    net, opt = _trained()
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"model": net, "optim": opt}).wait()
+    fresh = _build()[0]
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.fill_(42.0)
+    one_group = torch.optim.AdamW(fresh.parameters())  # 1 group of 4 where 2 groups of 2 were saved
+    sgd = torch.optim.SGD([{"params": fresh[0].parameters()}, {"params": fresh[2].parameters()}], lr=0.1, momentum=0.9)
+    for target, said in ((one_group, "optim/param_groups: saved with 2 parameter group(s) of [2, 2] parameters, the target optimizer has 1 of [4]"),
+                         (sgd, "optim: saved from a torch.optim.adamw.AdamW, the target is a torch.optim.sgd.SGD")):
+        with CheckpointManager(tmp_path / "ck") as mgr, pytest.raises(CheckpointMismatchError) as err:
+            mgr.restore({"model": fresh, "optim": target})
+        assert said in str(err.value) and "exclude=['optim']" in str(err.value)
+        assert all(bool((p == 42.0).all()) for p in fresh.parameters())  # nothing was read into the model
+        assert target.state_dict()["state"] == {}
+    with CheckpointManager(tmp_path / "ck") as mgr:  # leaving the optimizer out restores the model
+        assert mgr.restore({"model": fresh, "optim": sgd}, exclude="optim") == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), net.parameters()))

@@ -7,6 +7,9 @@ instead. Both list the optimizer's parameters in the same order, so when a saved
 and its target are keyed the two different ways, and their groups list the same number of
 parameters, position k of the flattened groups is the k-th name: the saved `state` keys map one to
 one onto the target's. The target keeps its own `params` lists (its keying).
+
+`optimizer_problems` is what an optimizer's own load_state_dict() would refuse only after the model
+beside it was restored (other group sizes), or take without a word (another torch optimizer's state).
 """
 
 from __future__ import annotations
@@ -32,6 +35,22 @@ def key_map(target: Any, node: dict) -> dict[Any, Any] | None:
     if kinds not in (({int}, {str}), ({str}, {int})) or len(set(flat_saved)) != len(flat_saved) or len(set(flat_target)) != len(flat_target):
         return None
     return dict(zip(flat_saved, flat_target))
+
+
+def optimizer_problems(target: Any, node: dict, key: str) -> list[tuple[tuple, str]]:
+    """(path below the optimizer, text) for each way the saved optimizer `node` does not fit the optimizer `target`."""
+    saved, cls = str(node.get("class", "")), f"{type(target).__module__}.{type(target).__qualname__}"
+    if saved != cls and saved.startswith("torch.optim.") and cls.startswith("torch.optim."):
+        return [((), f"saved from a {saved}, the target is a {cls}: its state and hyperparameters do not fit "
+                     f"(restore into the optimizer class it was saved from, or leave it out with exclude=[{key!r}])")]
+    groups = dict(node["stateful"].get("dict", ())).get("param_groups")
+    mine = _saved_params(groups) if isinstance(groups, dict) else None
+    sizes, have = [len(g) for g in mine or ()], [len(g["params"]) for g in target.param_groups]
+    if mine is None or sizes == have:
+        return []
+    return [(("param_groups",), f"saved with {len(sizes)} parameter group(s) of {sizes} parameters, the target optimizer has "
+                                f"{len(have)} of {have}: build it over the same parameters in the same groups as when it was saved, "
+                                f"or leave it out with exclude=[{key!r}]")]
 
 
 def _saved_params(groups: dict) -> list[list[Any]] | None:

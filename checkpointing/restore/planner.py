@@ -24,7 +24,7 @@ from checkpointing.state.codecs import Codec
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
-from checkpointing.restore.optim_keys import key_map
+from checkpointing.restore.optim_keys import key_map, optimizer_problems
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import Selection, plain_name, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
@@ -204,6 +204,9 @@ class _Planner:
             self.problem(path, f"saved from a {node['class']} (state_dict), the target is a {type(target).__name__}")
             return target
         if isinstance(target, torch.optim.Optimizer):
+            for where, text in optimizer_problems(target, node, join_key(path)):  # before any tensor is read into the model beside it
+                if self.select.wants(join_key(path + where)):
+                    self.problem(path + where, text)
             params = [p for group in target.param_groups for p in group["params"]]
             self.param_hints.update({path + ("state", i): p for i, p in enumerate(params)})
         sd = self.mapping(target.state_dict(), node["stateful"], path)
