@@ -290,6 +290,8 @@ Point = namedtuple("Point", "x y")
         ({"be": np.arange(3, dtype=">i4")}, "be"),
         ({"objarr": np.array([Opaque()], dtype=object)}, "objarr"),
         ({"strarr": np.array(["a", "b"])}, "strarr"),
+        *[({"deep": {"bits": torch.zeros(4, dtype=getattr(torch, name))}}, "deep/bits")
+          for name in ("float4_e2m1fn_x2", "uint4", "int4", "bits8") if isinstance(getattr(torch, name, None), torch.dtype)],
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )

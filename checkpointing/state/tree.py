@@ -25,6 +25,7 @@ import torch
 from checkpointing.state.codecs import Codec, find_codec
 from checkpointing.errors import ManifestError, StateError
 from checkpointing.format.decode import check_tree
+from checkpointing.format.dtypes import NAME_OF
 from checkpointing.state.sharding import ShardLayout, dtensor_layout, is_dtensor, local_tensor
 
 NUMPY_KINDS = frozenset("biufc")
@@ -103,6 +104,9 @@ def _unsupported(t: torch.Tensor) -> str | None:
         return f"is a sparse tensor ({t.layout}): save t.to_dense(), or its indices and values as separate tensors"
     if t.device.type == "meta":
         return "is on the meta device and holds no data: materialize it (e.g. module.to_empty() and initialise) before saving"
+    if t.dtype not in NAME_OF:
+        return (f"has dtype {t.dtype}, which the format does not hold (it holds {', '.join(NAME_OF.values())}): save it viewed "
+                "as one of those of the same size (t.view(torch.uint8)) and view it back after restore")
     return None
 
 
