@@ -226,7 +226,7 @@ class CheckpointManager:
         is verified before anything is applied; with step=None a step whose data is damaged on every copy is passed
         over for the next older one (a warning names it; restore/attempt.py), and with one process deleted, so that
         training saves it again (save/deletion.py retire_newer)."""
-        self._check_open()
+        self._check_open(step=step)
         self._inflight.wait_local()
         remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())
         if remote is None and not self._coord.tiers[self.rank]:  # read-only, no TIER file: it holds every primary copy
@@ -368,9 +368,8 @@ class CheckpointManager:
         remote = f", remote={self._remote_url()!r}, keep_remote={self.options.keep_remote}" if self.remote_storage is not None else ""
         return f"CheckpointManager({str(self.directory)!r}, keep_local={self.options.keep_local}{remote})"
 
-    # ------------------------------------------------------------------ internals
-
-    def _check_open(self, writes: str = "") -> None:
+    def _check_open(self, writes: str = "", step: int | None = None) -> None:
+        naming.check_step(step, optional=True)
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
         if writes and self.options.read_only:

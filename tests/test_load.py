@@ -121,3 +121,15 @@ def test_load_from_s3(tmp_path, s3_bucket):
         mgr.save(1, {"model": model, "optim": opt}).wait()
     state = checkpointing.load(url, storage_options=options, keys="model")
     assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("step", ["4", 4.0, -1, True])
+def test_a_step_that_is_not_a_step_number_is_refused_by_restore_and_load(tmp_path, step):
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(4, {"x": torch.ones(2)}).wait()
+        with pytest.raises(CheckpointConfigError, match=r"is invalid: pass an int in 0\.\."):
+            mgr.restore({"x": torch.zeros(2)}, step=step)
+    with pytest.raises(CheckpointConfigError, match=r"is invalid: pass an int in 0\.\."):
+        checkpointing.load(tmp_path / "ck", step=step)
+    with pytest.raises(TypeError, match="glob patterns"):
+        checkpointing.load(tmp_path / "ck", keys=5)

@@ -28,8 +28,11 @@ _SPARE = re.compile(r"^[0-9a-f]+\.pack$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
-def check_step(step: object) -> int:
-    """A step number a caller passed (save(), step marks): an int in 0..MAX_STEP, else CheckpointConfigError."""
+def check_step(step: object, *, optional: bool = False) -> int:
+    """A step number a caller passed (save(), step marks; restore(): None too when `optional`): an int in
+    0..MAX_STEP, else CheckpointConfigError."""
+    if optional and step is None:
+        return step  # type: ignore[return-value]
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
         raise CheckpointConfigError(f"step={step!r} is invalid: pass an int in 0..{MAX_STEP}")
     return step

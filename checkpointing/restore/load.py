@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from checkpointing.errors import (CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                                   CheckpointNotFoundError)
+from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import Sources, execute, plan_restore
 from checkpointing.restore.selection import Selection
@@ -46,6 +47,10 @@ def load(
     saved them; without it such values are refused by key (sharded and replicated tensors need no
     rank: they come back whole). codecs: the Codec objects values were saved with.
     """
+    if step is not None:
+        naming.check_step(step)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise CheckpointConfigError(f"rank={rank!r} is invalid: pass the int rank whose per-rank values to read")
     storage = open_readonly(path_or_url, storage_options)
     committed = catalog.list_steps(storage).committed
     if not committed:

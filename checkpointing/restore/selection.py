@@ -61,10 +61,13 @@ class Selection:
 def _patterns(value: str | Iterable[str] | None, name: str) -> tuple[str, ...]:
     if value is None:
         return ()
-    patterns = (value,) if isinstance(value, str) else tuple(value)
+    try:
+        patterns = (value,) if isinstance(value, str) else tuple(value)
+    except TypeError:
+        patterns = (value,)  # not iterable: refused below
     for p in patterns:
         if not isinstance(p, str) or not p:
-            raise TypeError(f"{name}= takes glob patterns over keys such as 'model/*' or 'optim', got {p!r}")
+            raise TypeError(f"{name}= takes glob patterns over keys such as 'model/*' or 'optim' (a str or a list of them), got {p!r}")
     return patterns
 
 
