@@ -61,7 +61,7 @@ from checkpointing.save.stepped import SteppedOptimizers
 from checkpointing.save.uploader import PendingUploads, Uploader, start_uploader
 from checkpointing.save.deletion import StepDeleter
 from checkpointing.save.worker import AfterUpload, LocalRetention, SaveWorker
-from checkpointing.state.codecs import Codec
+from checkpointing.state.codecs import Codec, codec_tuple
 from checkpointing.storage import FsspecStorage
 from checkpointing.tier import catalog, collect
 from checkpointing.tier.lock import NotHeld
@@ -119,7 +119,7 @@ class CheckpointManager:
         self.options = ManagerOptions(
             keep_local=keep_local, keep_remote=keep_remote, snapshot=snapshot, staging_budget_bytes=staging_budget_bytes, chunk_bytes=chunk_bytes,
             write_block_bytes=write_block_bytes, direct_io=direct_io, fsync=fsync, reverify_every=reverify_every, reverify_bytes_per_s=reverify_bytes_per_s,
-            incremental=incremental, change_detection=change_detection, background_yield_s=background_yield_s, remote=remote, storage_options=storage_options, codecs=tuple(codecs),
+            incremental=incremental, change_detection=change_detection, background_yield_s=background_yield_s, remote=remote, storage_options=storage_options, codecs=codec_tuple(codecs),
             timeout_s=timeout_s, upload_concurrency=upload_concurrency, upload_part_bytes=upload_part_bytes, upload_bytes_per_s=upload_bytes_per_s,
             interval=interval, mtbf_s=mtbf_s, on_metrics=on_metrics, read_only=read_only, peer_copies=peer_copies, peer_bandwidth=peer_bandwidth,
         )

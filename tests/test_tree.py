@@ -533,3 +533,14 @@ def test_random_states_flatten_to_restorable_manifests(state, eager):
 
     walk(flat.tree)
     assert refs == set(range(len(flat.leaves)))
+
+
+@pytest.mark.parametrize("bad, said", [([1], "is not a codec"), ([PickleCodec], "PickleCodec is a class; pass an instance"),
+                                       (PickleCodec(dict), "pass a list of codec objects"), (["pickle"], "is not a codec"),
+                                       (3, "pass a list of codec objects")])
+def test_codecs_that_are_not_a_list_of_codec_objects_are_refused_with_an_example(tmp_path, bad, said):
+    from checkpointing import CheckpointConfigError, CheckpointManager
+
+    with pytest.raises(CheckpointConfigError, match=said):
+        CheckpointManager(tmp_path / "ck", codecs=bad)
+    assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").glob("step-*"))

@@ -19,7 +19,7 @@ from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import Sources, execute, plan_restore
 from checkpointing.restore.selection import Selection
-from checkpointing.state.codecs import Codec
+from checkpointing.state.codecs import Codec, codec_tuple
 from checkpointing.storage import Storage, open_storage
 from checkpointing.storage.redact import redact_url
 from checkpointing.tier import catalog
@@ -67,7 +67,7 @@ def load(
     select = Selection.of(True, keys, exclude, take_all=True)
     world = manifest.world_size if rank is not None else 1
     try:
-        plan = plan_restore({}, manifest, rank=rank or 0, world_size=world, codecs=tuple(codecs), select=select)
+        plan = plan_restore({}, manifest, rank=rank or 0, world_size=world, codecs=codec_tuple(codecs), select=select)
     except CheckpointMismatchError as exc:  # worded for load(): there is no state passed to restore
         raise CheckpointMismatchError(exc.step, exc.problems, load=True) from None
     here = read_tier_id(storage)

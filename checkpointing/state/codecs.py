@@ -13,7 +13,7 @@ import io
 import pickle
 from typing import Any, Protocol, runtime_checkable
 
-from checkpointing.errors import CheckpointError, StateError
+from checkpointing.errors import CheckpointConfigError, CheckpointError, StateError
 
 
 @runtime_checkable
@@ -121,3 +121,26 @@ def find_codec(codecs: tuple[Codec, ...], obj: Any) -> Codec | None:
         if isinstance(obj, codec.types):
             return codec
     return None
+
+
+def codec_tuple(codecs: Any) -> tuple[Codec, ...]:
+    """The `codecs=` a caller passed, checked: an iterable of codec objects (name, types, encode, decode)."""
+    example = "e.g. codecs=[PickleCodec(MyConfig)]"
+    if _is_codec(codecs) or isinstance(codecs, (str, bytes)):
+        raise CheckpointConfigError(f"codecs={codecs!r} is invalid: pass a list of codec objects ({example})")
+    try:
+        out = tuple(codecs)
+    except TypeError:
+        raise CheckpointConfigError(f"codecs={codecs!r} is invalid: pass a list of codec objects ({example})") from None
+    for c in out:
+        if isinstance(c, type):
+            raise CheckpointConfigError(f"codecs: {c.__name__} is a class; pass an instance of it ({example})")
+        if not _is_codec(c):
+            raise CheckpointConfigError(f"codecs: {c!r} is not a codec (an object with a str name, a tuple of types, encode() "
+                                        f"and decode(); {example})")
+    return out
+
+
+def _is_codec(obj: Any) -> bool:
+    return (not isinstance(obj, type) and isinstance(getattr(obj, "name", None), str) and isinstance(getattr(obj, "types", None), tuple)
+            and callable(getattr(obj, "encode", None)) and callable(getattr(obj, "decode", None)))
