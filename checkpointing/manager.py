@@ -189,18 +189,17 @@ class CheckpointManager:
         self._loop.at_safe_point(step)
         return SaveHandle(job, stall=self._acct.stall, peer=self._peers.track(job.seq, step))
 
-    def delete(self, step: int, *, allow_latest: bool = False) -> None:
+    def delete(self, step: int, *, allow_latest: bool = False, missing_ok: bool = False) -> None:
         """Delete committed `step` from every tier (the local tier, and the remote one if configured).
 
         Reference-safe: files of `step` whose chunks later (incremental) steps use stay until those
         steps go. The newest committed step needs allow_latest=True. To rewind: restore(step=k),
         delete the newer steps, then save k+1 on. Waits for the save and uploads in flight first.
-        CheckpointNotFoundError when `step` is committed on no tier. With several ranks this is a
-        collective call: every rank calls it with the same step (save/deletion.py).
-        """
+        CheckpointNotFoundError when `step` is committed on no tier (missing_ok: delete it where it is, and
+        from no tier is no error). With several ranks a collective call: every rank, the same step (save/deletion.py)."""
         self._check_open("delete()")
         self._peers.settle()
-        self._deleter.delete(step, allow_latest=allow_latest)
+        self._deleter.delete(step, allow_latest=allow_latest, missing_ok=missing_ok)
         self._peers.delete(step)  # and the copies this node holds of other nodes' step
 
     def wait(self, timeout: float | None = None) -> None:

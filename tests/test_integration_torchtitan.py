@@ -221,6 +221,20 @@ def test_load_step_resumes_an_older_step_and_replaces_the_newer_ones(tmp_path: P
     assert old5["optimizer"].keys() == new5["optimizer"].keys()
 
 
+def test_a_damaged_newest_step_is_passed_over_and_training_resumes_from_the_one_before(tmp_path: Path, reference: Run) -> None:
+    from hostile import flip_bits
+
+    first = make_run(tmp_path, interval=2, keep_latest_k=0, last_save_model_only=False).train(stop=6)
+    first.close()
+    pack = next((tmp_path / "checkpoint" / "step-0000000006").glob("*.pack"))
+    flip_bits(pack, pack.stat().st_size // 2)  # bit rot in the newest step: every restart would stop on it
+    resumed = make_run(tmp_path, seed=1, interval=2, keep_latest_k=0, last_save_model_only=False)
+    resumed.train()  # load(-1): step 6 is passed over (and deleted), step 4 restored; 6 and 8 saved anew
+    assert resumed.saved == [6, 8] and resumed.checkpointer.manager.steps() == [2, 4, 6, 8]
+    assert_same_training_state(reference, resumed)
+    resumed.close()
+
+
 def test_sync_mode_exclude_from_loading_and_stall_records(tmp_path: Path) -> None:
     run = make_run(tmp_path, interval=3, async_mode="disabled", last_save_model_only=False)
     run.checkpointer.load()

@@ -234,9 +234,8 @@ class TieredCheckpointManager(BaseCheckpointManager):
             ) from None
         if chosen is None:
             return self._initial_load()
-        committed = self._mgr.steps()
         if meta.model_only and chosen != 0:
-            full = [s for s in committed if 0 < s < chosen]
+            full = [s for s in self._mgr.steps() if 0 < s < chosen]
             raise CheckpointError(
                 f"step {chosen} in {self.folder} holds only the model (the last save of a run with "
                 "checkpoint.last_save_model_only=True): there is no optimizer, data or train state to resume from. "
@@ -245,9 +244,9 @@ class TieredCheckpointManager(BaseCheckpointManager):
             )
         if chosen == 0 or meta.model_only:  # a seed checkpoint: the model only, as torchtitan loads step 0
             loading.restore_model(self._mgr, chosen, self.states[MODEL], meta)
-        else:
-            self._restore_full(self._mgr, chosen)
-        self._abandon = [s for s in committed if s > chosen]
+        else:  # -1: the newest step that reads clean (a damaged one is passed over, with a warning)
+            chosen = self._restore_full(self._mgr, None if step == -1 else chosen)
+        self._abandon = _on_every_rank([s for s in self._mgr.steps() if s > chosen])
         log.info("checkpointing: torchtitan state restored from step %d of %s", chosen, self.folder)
         return True
 
@@ -270,14 +269,18 @@ class TieredCheckpointManager(BaseCheckpointManager):
                 log.error("checkpointing: %s; training goes on (checkpoint.strict=True would end it here)", exc)
         return self._mgr.save(step, state)
 
-    def _restore_full(self, mgr: CheckpointManager, step: int) -> None:
+    def _restore_full(self, mgr: CheckpointManager, step: int | None) -> int:
+        """Restore every state of `step` (None: the newest that reads clean); the step restored."""
         target = {k: v for k, v in self.states.items() if v is not None}
         target[META] = {}
         exclude = list(self.config.exclude_from_loading)
         for key in exclude:
             if key not in self.states:
                 raise CheckpointConfigError(f"checkpoint.exclude_from_loading names {key!r}, which is not a state (states: {sorted(self.states)})")
-        mgr.restore(target, step=step, exclude=exclude or None)
+        chosen = mgr.restore(target, step=step, exclude=exclude or None)
+        if chosen is None:
+            raise CheckpointNotFoundError(f"{mgr.directory} holds no committed step")
+        return chosen
 
     def _initial_load(self) -> bool:
         path = self.config.initial_load_path
@@ -292,7 +295,7 @@ class TieredCheckpointManager(BaseCheckpointManager):
             if self.config.initial_load_model_only or meta.model_only or step == 0:
                 loading.restore_model(source, step, self.states[MODEL], meta)
             else:
-                self._restore_full(source, step)
+                step = self._restore_full(source, None)  # the newest that reads clean
         log.info("checkpointing: initial state from step %d of %s (%s)", step, path,
                  "model only" if self.config.initial_load_model_only or meta.model_only else "full")
         return True
@@ -302,9 +305,18 @@ class TieredCheckpointManager(BaseCheckpointManager):
         if not self._abandon:
             return
         log.warning("checkpointing: training went on from an older step; deleting the newer steps %s of %s", self._abandon, self.folder)
-        for s in sorted(self._abandon, reverse=True):
-            self._mgr.delete(s, allow_latest=True)
+        for s in sorted(self._abandon, reverse=True):  # every rank, each step: where a node lost it, the others delete it
+            self._mgr.delete(s, allow_latest=True, missing_ok=True)
         self._abandon = []
+
+
+def _on_every_rank(steps: list[int]) -> list[int]:
+    """The steps any rank lists (the same list on every rank: the deletes after a load are collective)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_world_size() == 1:
+        return steps
+    lists: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(lists, steps)
+    return sorted(set().union(*lists))
 
 
 class _SaveFuture(Future):

@@ -19,8 +19,9 @@ latest progress. A rewind is restore(step=k), then delete the newer steps, then 
 
 Across ranks delete() is a collective call, like restore(): every rank calls it with the same step.
 The ranks meet twice through the store: before anything is deleted (each rank's check; a step one
-rank cannot see, or a refusal, stops it on every rank with the same error) and after (each tier's
-outcome). A rank that does not call it is named, once timeout_s has passed, in the error the others
+rank cannot see, or a refusal, stops it on every rank with the same error; with missing_ok a rank
+that does not see it takes part without deleting anything: a step some nodes lost, which the ranks
+that hold it delete) and after (each tier's outcome). A rank that does not call it is named, once timeout_s has passed, in the error the others
 get, instead of their waiting for ever.
 """
 
@@ -49,12 +50,14 @@ class StepDeleter:
         self._inflight, self._worker, self._uploader = inflight, worker, uploader
         self._calls = 0  # the same on every rank: names this call's meeting points in the store
 
-    def delete(self, step: int, *, allow_latest: bool = False) -> None:
+    def delete(self, step: int, *, allow_latest: bool = False, missing_ok: bool = False) -> None:
         naming.check_step(step)
         self._inflight.settle()
         self._worker.settle()  # local retention's files of retired steps are gone: one collector at a time
         n, self._calls = self._calls, self._calls + 1
         found, refused = self._check(step, allow_latest)
+        if missing_ok and isinstance(refused, CheckpointNotFoundError):
+            refused = None  # this rank's tiers do not hold it: the others delete it where they do
         self._meet(f"delete({step}) #{n}: a collective call, every rank calls delete() with the same step", refused)
         try:
             failed = self._delete(step, *found)
@@ -63,7 +66,8 @@ class StepDeleter:
             if self._uploader is not None:  # save() checks this view of the remote tier without a request
                 self._uploader.saw_remote(removed={step})
         self._meet(f"delete({step}) #{n}: done", failed)
-        log.info("checkpointing: rank %d: deleted step %d from %s", self._coord.rank, step, self._where())
+        if any(found):
+            log.info("checkpointing: rank %d: deleted step %d from %s", self._coord.rank, step, self._where())
 
     def retire_newer(self, chosen: int) -> None:
         """After restore(step=None) resumed from `chosen` in a job of one process: the newer committed
