@@ -239,8 +239,14 @@ def per_rank_state(rank: int, world: int, directory: str, phase: str) -> Any:
     from checkpointing import CheckpointManager, CheckpointMismatchError
 
     with CheckpointManager(directory, timeout_s=60) as mgr:
-        if phase == "save":
-            mgr.save(1, {"loader": {"pos": 10 * rank, "seed": 7}, "rng": torch.full((3,), float(rank)), "shared": torch.arange(4)}).wait()
+        if phase.startswith("save"):
+            state = {"loader": {"pos": 10 * rank, "seed": 7}, "rng": torch.full((3,), float(rank)), "shared": torch.arange(4)}
+            if phase == "save-sharded":  # and an FSDP-style DTensor: each rank one half of the rows
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.tensor import Shard, distribute_tensor
+
+                state["sharded"] = distribute_tensor(torch.arange(12.0).reshape(6, 2), init_device_mesh("cpu", (world,)), [Shard(0)])
+            mgr.save(1, state).wait()
             return None
         loader = {"pos": -1, "seed": -1}
         state = {"loader": loader, "rng": torch.zeros(3), "shared": torch.zeros(4, dtype=torch.int64)}

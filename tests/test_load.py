@@ -101,7 +101,7 @@ def test_load_errors_say_what_and_how(saved, tmp_path):
 
 def test_per_rank_values_need_a_rank(tmp_path):
     ck = str(tmp_path / "ck")
-    run_ranks(_dist.per_rank_state, 2, ck, "save", tmp=tmp_path)
+    run_ranks(_dist.per_rank_state, 2, ck, "save-sharded", tmp=tmp_path)
     with pytest.raises(CheckpointMismatchError) as info:
         checkpointing.load(ck)
     assert "rng" in str(info.value) and "loader/pos" in str(info.value) and "rank=" in str(info.value)
@@ -110,6 +110,7 @@ def test_per_rank_values_need_a_rank(tmp_path):
     for rank in (0, 1):
         state = checkpointing.load(ck, rank=rank)
         assert state["rng"].tolist() == [float(rank)] * 3 and state["loader"] == {"pos": 10 * rank, "seed": 7}
+        assert torch.equal(state["sharded"], torch.arange(12.0).reshape(6, 2))  # sharded tensors come back whole
     with pytest.raises(CheckpointConfigError, match="saved by 2 rank"):
         checkpointing.load(ck, rank=2)
 

@@ -174,7 +174,7 @@ class _Planner:
             fresh = torch.empty_like(hint, dtype=dtype)  # optimizer state sharded like its parameter
             self.read_into(entry, fresh, path)
             return fresh
-        if self.world_size > 1 and len(entry.shards) > 1:
+        if self.world_size > 1 and len(entry.shards) > 1 and not self.select.take_all:  # load() reads it whole
             self.problem(
                 path,
                 "saved as a sharded DTensor and missing from the target: create it first (for optimizer state, "
