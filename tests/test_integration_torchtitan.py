@@ -235,6 +235,19 @@ def test_a_damaged_newest_step_is_passed_over_and_training_resumes_from_the_one_
     resumed.close()
 
 
+def test_a_run_that_restarts_its_step_count_replaces_the_steps_it_saves_again(tmp_path: Path) -> None:
+    first = make_run(tmp_path, interval=3, keep_latest_k=0, last_save_model_only=False).train(6)
+    first.close()
+    again = make_run(tmp_path, seed=1, interval=3, keep_latest_k=0, last_save_model_only=False, exclude_from_loading=["train_state"])
+    again.train(6)  # loads step 6's weights, counts from 0: saves 3 and 6 again, as torchtitan's checkpointer overwrites them
+    assert again.saved == [3, 6] and again.checkpointer.manager.steps() == [3, 6]
+    again.close()
+    saved = checkpointing.load(tmp_path / "checkpoint", 6)
+    assert saved["train_state"]["step"] == 6
+    for name, param in again.model.state_dict().items():
+        assert torch.equal(saved["model"][name], param), name
+
+
 def test_sync_mode_exclude_from_loading_and_stall_records(tmp_path: Path) -> None:
     run = make_run(tmp_path, interval=3, async_mode="disabled", last_save_model_only=False)
     run.checkpointer.load()

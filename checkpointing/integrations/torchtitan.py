@@ -39,7 +39,9 @@ holds). The dataloader's state is bytes torchtitan pickles itself; we store them
 
 Resuming from an older step (``load_step=k`` with newer steps committed) abandons those newer steps:
 the first save after such a load deletes them (every tier), as torchtitan's DCP checkpointer would
-overwrite their folders, so that retention counts only the steps of the run going on.
+overwrite their folders, so that retention counts only the steps of the run going on. A step number
+an earlier run saved and this one saves again (its step count restarted: ``exclude_from_loading=
+["train_state"]``, a second seed checkpoint) replaces that step, with a warning, as torchtitan does.
 
 Not supported (a CheckpointConfigError when the config is built, with what to use instead):
 Hugging Face safetensors saves and loads (``last_save_in_hf``, ``initial_load_in_hf``: use
@@ -174,6 +176,8 @@ class TieredCheckpointManager(BaseCheckpointManager):
             keep_remote=config.keep_remote or None, incremental=config.incremental, timeout_s=config.timeout_s,
             read_only=config.load_only,
         )
+        # torchtitan's checkpointer overwrites a step it saves again (a run that restarts its step count): those of an earlier run
+        self._existing = set() if config.load_only else set(_on_every_rank(self._mgr.steps()))
         log.info("checkpointing: torchtitan checkpoints in %s%s (keep_latest_k=%s, async_mode=%s)", self.folder,
                  f" and {config.remote}" if config.remote else "", config.keep_latest_k, config.async_mode)
 
@@ -200,6 +204,10 @@ class TieredCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         self._drop_abandoned()
+        if curr_step in self._existing:  # the same on every rank: a collective delete
+            log.warning("checkpointing: step %d of an earlier run is in %s: replacing it, as torchtitan's checkpointer does", curr_step, self.folder)
+            self._mgr.delete(curr_step, allow_latest=True, missing_ok=True)
+            self._existing.discard(curr_step)
         model_only = last_step and self.config.last_save_model_only
         if model_only:
             model, exported = loading.export_model(self.states[MODEL], self.export_dtype)
@@ -307,6 +315,7 @@ class TieredCheckpointManager(BaseCheckpointManager):
         log.warning("checkpointing: training went on from an older step; deleting the newer steps %s of %s", self._abandon, self.folder)
         for s in sorted(self._abandon, reverse=True):  # every rank, each step: where a node lost it, the others delete it
             self._mgr.delete(s, allow_latest=True, missing_ok=True)
+        self._existing -= set(self._abandon)
         self._abandon = []
 
 
