@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset
 pytest.importorskip("torchtitan")
 from _dist import run_ranks  # noqa: E402
 from faults import Fault, inject  # noqa: E402
+from s3_server import s3_bucket, s3_endpoint  # noqa: E402,F401 - fixtures
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 
@@ -317,6 +318,25 @@ def test_seed_checkpoint_initial_load_path_and_load_only(tmp_path: Path, referen
     assert reader.checkpointer.save(5) is False
     reader.close()
     assert checkpointing.CheckpointManager(tmp_path / "full" / "checkpoint", read_only=True).steps() == [4]
+
+    # an evaluation: load_only in a folder that does not exist, from initial_load_path (as torchtitan's checkpointer does)
+    evaluation = make_run(tmp_path / "eval", seed=8, load_only=True, initial_load_path=str(tmp_path / "full" / "checkpoint"),
+                          initial_load_model_only=False)
+    assert evaluation.checkpointer.load() and evaluation.train_state.step == 4
+    assert evaluation.checkpointer.save(5) is False
+    evaluation.close()
+    assert not (tmp_path / "eval").exists()
+
+
+def test_initial_load_path_on_s3_with_storage_options_and_no_remote_tier(tmp_path: Path, s3_bucket: tuple[str, dict]) -> None:
+    url, options = s3_bucket
+    source = make_run(tmp_path / "source", interval=2, last_save_model_only=False, remote=url, storage_options=options).train(2)
+    source.close()
+    successor = make_run(tmp_path / "successor", seed=4, initial_load_path=url, storage_options=options)
+    assert successor.checkpointer.load() and successor.train_state.step == 0
+    for name, param in successor.model.state_dict().items():
+        assert torch.equal(param, source.model.state_dict()[name]), name
+    successor.close()
 
 
 @pytest.mark.parametrize("strict", [False, True])

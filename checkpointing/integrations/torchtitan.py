@@ -30,7 +30,9 @@ How torchtitan's calls map onto the manager (CheckpointManager in ``<dump_folder
 - ``last_save_model_only`` (torchtitan's default): the last step holds only the model, in
   ``export_dtype``. Such a step cannot be resumed from (it has no optimizer, data or train state):
   loading it names the newest full step to resume from instead.
-- ``load_only`` opens the folder read-only: loads work, saves do nothing.
+- ``load_only`` opens the folder read-only: loads work, saves do nothing; a folder that does not
+  exist loads ``initial_load_path`` (an evaluation run), and is not created.
+- ``storage_options`` serve ``remote`` and an ``initial_load_path`` URL (either may be set alone).
 
 State keys: ``model`` (``ModelWrapper``: the model parts' state dicts merged), ``optimizer`` (the
 ``OptimizersContainer``'s flat, FQN-keyed state), ``lr_scheduler``, ``dataloader``, the trainer's
@@ -171,11 +173,11 @@ class TieredCheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._abandon: list[int] = []  # newer steps of an abandoned run, deleted at the first save after the load
         keep = config.keep_latest_k or None
-        self._mgr = CheckpointManager(
-            self.folder, remote=config.remote, storage_options=config.storage_options or None, keep_local=keep,
-            keep_remote=config.keep_remote or None, incremental=config.incremental, timeout_s=config.timeout_s,
-            read_only=config.load_only,
-        )
+        # load_only on a folder that does not exist (an evaluation from initial_load_path): nothing to open, nothing is written
+        self._mgr: CheckpointManager | None = None if config.load_only and not config.remote and not os.path.isdir(self.folder) else \
+            CheckpointManager(self.folder, remote=config.remote, storage_options=(config.storage_options or None) if config.remote else None,
+                              keep_local=keep, keep_remote=config.keep_remote or None, incremental=config.incremental,
+                              timeout_s=config.timeout_s, read_only=config.load_only)
         # torchtitan's checkpointer overwrites a step it saves again (a run that restarts its step count): those of an earlier run
         self._existing = set() if config.load_only else set(_on_every_rank(self._mgr.steps()))
         log.info("checkpointing: torchtitan checkpoints in %s%s (keep_latest_k=%s, async_mode=%s)", self.folder,
@@ -184,6 +186,8 @@ class TieredCheckpointManager(BaseCheckpointManager):
     @property
     def manager(self) -> CheckpointManager:
         """The CheckpointManager underneath: stats(), summary(), steps(), tiers()."""
+        if self._mgr is None:
+            raise CheckpointConfigError(f"checkpoint.load_only=True and {self.folder} does not exist: no CheckpointManager is open there")
         return self._mgr
 
     def __del__(self) -> None:
@@ -223,14 +227,18 @@ class TieredCheckpointManager(BaseCheckpointManager):
         return True
 
     def _maybe_wait_for_staging(self) -> None:
-        self._mgr.wait_staged()
+        if self._mgr is not None:
+            self._mgr.wait_staged()
 
     def _wait_for_saving(self) -> None:
         self.save_future = None
-        self._mgr.wait()
+        if self._mgr is not None:
+            self._mgr.wait()
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
+        if self._mgr is None:  # load_only, and the folder does not exist
+            return self._initial_load()
         try:  # collective: the ranks agree on the step (the newest every rank can read, for -1)
             chosen, meta = loading.read_meta(self._mgr, None if step == -1 else step)
         except CheckpointNotFoundError as exc:
