@@ -384,10 +384,7 @@ def _two_ranks_keep_best(rank: int, world: int, directory: str) -> tuple[list[in
     with CheckpointManager(directory, keep_local=KeepBest(1, "loss"), fsync=False, timeout_s=60) as mgr:
         for step, per_rank in losses.items():
             mgr.save(step, {"w": torch.full((8,), float(step))}, metrics={"loss": per_rank[rank], "rank": rank}).wait()
-        mgr.wait()
-        # the tier's leader (rank 0) retires steps once every rank has the verdict, so rank 1 may list
-        # step 2 a moment longer: rank 0's wait() covers its retention, and the barrier orders rank 1 after it
-        torch.distributed.barrier()
+        mgr.wait()  # on rank 1 too: until the tier's leader (rank 0) retired what it does not keep
         return mgr.steps(), dict(catalog.read_commit(mgr.storage, 1).metrics)
 
 
@@ -403,3 +400,18 @@ def test_policies_are_public_retention_policies():
         assert isinstance(p, RetentionPolicy)
         assert hash(p) == hash(dataclasses.replace(p)) and p == dataclasses.replace(p)
     assert StepInfo(3, {"a": 1.0}) == StepInfo(3, {"a": 1.0}) and StepInfo(3).metrics == {}
+
+
+def _two_ranks_keep_one(rank: int, world: int, directory: str) -> list[list[int]]:
+    seen = []
+    with CheckpointManager(directory, keep_local=1, fsync=False, timeout_s=60) as mgr:
+        for step in range(1, 9):
+            mgr.save(step, {"w": torch.full((1 << 12,), float(step))})
+            mgr.wait()
+            seen.append(mgr.steps())
+    return seen
+
+
+def test_after_wait_every_rank_sharing_a_tier_lists_what_its_leader_kept(tmp_path):
+    for rank_views in run_ranks(_two_ranks_keep_one, 2, str(tmp_path / "shared"), tmp=tmp_path):
+        assert rank_views == [[s] for s in range(1, 9)], rank_views

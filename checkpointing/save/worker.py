@@ -42,6 +42,8 @@ from checkpointing.tier import catalog, collect, pins
 
 log = logging.getLogger("checkpointing")
 
+LEADER_WAIT_S = 5.0  # the most a non-leader's wait() waits for its tier's leader to retire steps (LocalRetention.settle)
+
 
 class LocalRetention:
     """keep_local (a retention policy, plan/retention.py) on this rank's local tier, applied by its
@@ -95,8 +97,26 @@ class LocalRetention:
             self._storage.remove_dir(naming.SPARES_DIR)
 
     def settle(self, timeout: float | None = None) -> bool:
-        """Wait until the files of every retired step are removed (mgr.wait(), delete()); False on timeout."""
+        """Wait until the files of every retired step are removed (mgr.wait(), delete()); False on timeout.
+        A rank that shares its tier with a leader waits (a bounded while) until the leader retired what
+        keep_local does not keep, so that its steps() then lists what the leader's does."""
+        if not self._enabled and self._keep is not None:
+            self._await_leader(LEADER_WAIT_S if timeout is None else min(timeout, LEADER_WAIT_S))
         return self._collected.wait(timeout)
+
+    def _await_leader(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            pending = self._pending.steps() if self._pending is not None else set()
+            try:
+                committed = catalog.list_steps(self._storage).committed
+                if not committed or not collect.to_retire(self._storage, self._keep, protect={committed[-1]} | pending | self._in_flight()):
+                    return
+            except (OSError, CheckpointError):
+                return  # a listing race with the leader's deletes: steps() will say what is there
+            if time.monotonic() >= deadline:
+                return  # the leader protects something this rank does not know of (a copy to a peer): its listing goes on
+            time.sleep(0.02)
 
     def after_upload(self) -> None:
         """An upload finished: its step may go now (if keep_local does not keep it)."""

@@ -319,13 +319,8 @@ def retire_by_policy(storage: Storage, keep: int | RetentionPolicy | None, *, pr
     """apply_retention's first half, quick: remove the COMMIT markers of the steps the retention does
     not keep (from then on no listing, restore or save sees them) and return those steps; their
     files stay until `collect_retired` (a large file's unlink can take a good part of a second)."""
-    policy = as_policy(keep)
-    if policy is None:
-        return []
     try:
-        committed = catalog.list_steps(storage).committed
-        infos = catalog.step_infos(storage, committed, metrics=bool(policy.metric_names))
-        doomed = steps_to_delete(infos, policy, protect=protect)
+        doomed = to_retire(storage, keep, protect=protect)
         _retire(storage, doomed, dry_run=False)
     except OSError as exc:  # one failed delete must not stop training; retried after the next save
         if sweep:
@@ -333,6 +328,15 @@ def retire_by_policy(storage: Storage, keep: int | RetentionPolicy | None, *, pr
         log.warning("checkpointing: could not delete steps from %s: %s", where or storage.url, exc)
         return []
     return doomed
+
+
+def to_retire(storage: Storage, keep: int | RetentionPolicy | None, *, protect: int | Collection[int] | None = None) -> list[int]:
+    """The committed steps of `storage` the retention does not keep (nothing is removed)."""
+    policy = as_policy(keep)
+    if policy is None:
+        return []
+    committed = catalog.list_steps(storage).committed
+    return steps_to_delete(catalog.step_infos(storage, committed, metrics=bool(policy.metric_names)), policy, protect=protect)
 
 
 def collect_retired(storage: Storage, *, in_flight: Collection[int] = (), sweep: bool = False, where: str | None = None,
