@@ -95,8 +95,12 @@ def test_torch_save_file_imports_under_a_key_and_loads(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(loaded["model"][k], v.to(torch.bfloat16)), k
     torch.save({"blob": torch.ones(2), "obj": nn.Linear(2, 2)}, tmp_path / "pickled.pt")  # a module: not weights_only
-    with pytest.raises(CheckpointConfigError, match="weights_only=True"):
+    with pytest.raises(CheckpointConfigError, match=r"holds objects of type torch\.nn\.modules\.linear\.Linear.*never runs") as info:
         import_checkpoint(tmp_path / "pickled.pt", tmp_path / "ck", 6)
+    assert "\x1b" not in str(info.value) and "load it yourself" in str(info.value)
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointConfigError, match="cannot be read as a torch.save file"):
+        import_checkpoint(tmp_path / "junk.pt", tmp_path / "ck", 6, kind="torch")
     with pytest.raises(CheckpointError, match="already committed"):
         import_checkpoint(tmp_path / "weights.pt", tmp_path / "ck", 5, under="model")
 

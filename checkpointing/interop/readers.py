@@ -121,9 +121,7 @@ def _read_torch(src: Path, select: Selection) -> Loaded:
             zipped = f.read(4) == _ZIP
         obj = torch.load(src, map_location="cpu", weights_only=True, mmap=zipped)
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, AttributeError, ImportError) as exc:
-        raise CheckpointConfigError(f"{src} cannot be read as a torch.save file with weights_only=True ({type(exc).__name__}: "
-                                    f"{str(exc)[:300]}): it holds objects other than tensors and plain containers, or is no "
-                                    "torch.save file") from None
+        raise CheckpointConfigError(_unreadable_torch_file(src, exc)) from None
     if not isinstance(obj, dict):
         obj = {"value": obj}  # import_checkpoint(..., under=KEY) names it
     elif _exported(obj):  # export_torch's file: its keys ("model/0.weight") name the nested state they came from
@@ -244,3 +242,16 @@ def source_path(src: str | os.PathLike) -> Path:
     if "://" in os.fspath(src):
         raise CheckpointConfigError(f"{src}: import reads a local file or directory (copy a remote one here first)")
     return Path(src)
+
+
+def _unreadable_torch_file(src: Path, exc: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused `src`, and what to do (torch's own text names a
+    remedy, weights_only=False, that import never takes: it would run the file's pickled code)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    named = re.search(r"GLOBAL ([\w.]+)", text)
+    if named:
+        return (f"{src} holds objects of type {named.group(1)}, and import builds only tensors and plain containers (it never "
+                "runs a file's pickled code). If you trust the file: load it yourself (torch.load(path, weights_only=False)), "
+                "keep its tensors (a numpy array as torch.from_numpy(a)) in dicts and lists, torch.save that and import it")
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    return f"{src} cannot be read as a torch.save file ({type(exc).__name__}: {first}): is it one, and whole?"
