@@ -166,6 +166,9 @@ def test_export_never_writes_into_the_checkpoint_it_reads_nor_to_a_url(tmp_path,
     assert code == 2 and "local path" in text and not (Path.cwd() / "s3:").exists()
     with pytest.raises(CheckpointConfigError, match="inside the checkpoint directory"):
         export_torch(ck, ck / "x.pt")
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing-dir")
+    with pytest.raises(CheckpointConfigError, match="is a link to .*missing-dir, which does not exist"):
+        export_safetensors(ck, tmp_path / "dangling")
 
 
 def test_tiny_gpt2_exported_loads_with_from_pretrained_and_gives_identical_logits(tmp_path, run_cli, monkeypatch):

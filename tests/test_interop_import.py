@@ -212,3 +212,14 @@ def test_import_to_s3(tmp_path, s3_bucket):
     assert result.dest == url
     loaded = checkpointing.load(url, storage_options=options)
     assert loaded["step"] == 9 and all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointError, match=f"step 9 is already committed in {url}: import as another step") as info:
+        import_checkpoint(tmp_path / "full.pt", url, 9, storage_options=options)
+    assert "ckpt-import" not in str(info.value)  # not the scratch directory the import uses
+
+
+def test_hf_format_on_a_single_file_says_it_takes_a_directory(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointConfigError, match="is a file: a Hugging Face checkpoint is the directory"):
+        import_checkpoint(tmp_path / "w.safetensors", tmp_path / "ck", 0, kind="hf")

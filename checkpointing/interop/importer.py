@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from checkpointing.errors import CheckpointConfigError, StateError
+from checkpointing.errors import CheckpointConfigError, CheckpointError, StateError
 from checkpointing.interop.readers import Loaded, detect, read, source_path
 from checkpointing.interop.types import Conversion, ImportResult
 from checkpointing.manager import CheckpointManager
@@ -131,6 +131,10 @@ def _commit(dest: str | os.PathLike, step: int, state: dict[str, Any], storage_o
     try:
         with CheckpointManager(local, remote=remote, storage_options=storage_options, keep_local=None, keep_remote=None,
                                staging_budget_bytes=STAGING_BYTES, snapshot="eager", process_group=None) as mgr:
+            where = mgr.remote_storage.url if mgr.remote_storage is not None else url
+            if remote and step in mgr.steps():  # (the local tier is a scratch directory: the error names the destination)
+                raise CheckpointError(f"step {step} is already committed in {where}: import as another step, or delete that one "
+                                      f"first (checkpointing rm {where} --step {step})")
             try:
                 handle = mgr.save(step, state)
             except StateError as exc:  # a value of the source that is neither a tensor nor JSON-like

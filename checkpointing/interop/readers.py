@@ -160,6 +160,9 @@ def _read_safetensors(src: Path, select: Selection, loaded: Loaded | None = None
 
 
 def _read_hf(src: Path, select: Selection) -> Loaded:
+    if not src.is_dir():
+        raise CheckpointConfigError(f"{src} is a file: a Hugging Face checkpoint is the directory save_pretrained writes "
+                                    "(for one .safetensors file use --format safetensors, or leave --format out)")
     indexes = sorted(src.glob("*.safetensors.index.json"))
     if indexes:
         index = src / "model.safetensors.index.json" if (src / "model.safetensors.index.json").is_file() else indexes[0]

@@ -176,6 +176,9 @@ def _existing(out_dir: Path) -> list[Path]:
 
 
 def _check_out(out_dir: Path, force: bool) -> None:
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise CheckpointConfigError(f"{out_dir} is a link to {os.readlink(out_dir)}, which does not exist: create that directory, "
+                                    "or choose another --out")
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointConfigError(f"{out_dir} is a file: the safetensors export writes a directory (model.safetensors, ...)")
     found = _existing(out_dir)
