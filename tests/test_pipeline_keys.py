@@ -69,3 +69,18 @@ def test_keys_no_stage_saved_are_named(saved):
     text = str(info.value)
     assert "model/layers.4.weight: missing from the checkpoint" in text and "layers.4.bias" in text
     assert "layers.3.weight" not in text
+
+
+def test_one_process_refuses_the_stages_positional_optimizer_state_before_touching_the_model(saved):
+    import pytest
+
+    from checkpointing import CheckpointManager, CheckpointMismatchError
+
+    directory, _, _ = saved
+    model, opt = _pipeline._stage(None, 0, 1, fsdp=False)  # every layer, one optimizer over all of them
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(directory, read_only=True) as mgr, pytest.raises(CheckpointMismatchError) as info:
+        mgr.restore({"model": model, "optim": opt}, step=2)  # step 2: each stage's optimizer object, keyed by position
+    assert "optim/param_groups: saved with 1 parameter group(s)" in str(info.value) and "get_state_dict" in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert opt.state_dict()["state"] == {}

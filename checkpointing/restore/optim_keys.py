@@ -50,7 +50,8 @@ def optimizer_problems(target: Any, node: dict, key: str) -> list[tuple[tuple, s
         return []
     return [(("param_groups",), f"saved with {len(sizes)} parameter group(s) of {sizes} parameters, the target optimizer has "
                                 f"{len(have)} of {have}: build it over the same parameters in the same groups as when it was saved, "
-                                f"or leave it out with exclude=[{key!r}]")]
+                                f"or leave it out with exclude=[{key!r}] (state that must follow another layout, other pipeline "
+                                "stages, is saved keyed by name: torch.distributed.checkpoint.state_dict.get_state_dict)")]
 
 
 def _saved_params(groups: dict) -> list[list[Any]] | None:
