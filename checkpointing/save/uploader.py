@@ -231,7 +231,7 @@ def start_uploader(
     uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending,
                         cpu=CpuYield(yield_s))
     uploader.saw_remote(added=set(listing.committed))
-    mine = resume_offers(local, listing.committed, rank=coord.rank)
+    mine = resume_offers(local, listing.committed)
     stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
     offers = [{int(s): ResumeOffer.from_json(o) for s, o in got.items()}
               for got in coord.gather_resume({str(s): o.to_json() for s, (o, _) in mine.items()})]
@@ -265,7 +265,7 @@ def _pins_quietly(remote: FsspecStorage, steps: Iterable[int]) -> dict[int, list
         return {}
 
 
-def resume_offers(local: LocalStorage, remote_committed: list[int], *, rank: int) -> dict[int, tuple[ResumeOffer, CommittedStep]]:
+def resume_offers(local: LocalStorage, remote_committed: list[int]) -> dict[int, tuple[ResumeOffer, CommittedStep]]:
     """This rank's offer (plan/resume.py) for each local committed step newer than the newest remote one."""
     newest = max(remote_committed, default=-1)
     out: dict[int, tuple[ResumeOffer, CommittedStep]] = {}

@@ -107,10 +107,9 @@ class LocalRetention:
     def _await_leader(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while True:
-            pending = self._pending.steps() if self._pending is not None else set()
             try:
                 committed = catalog.list_steps(self._storage).committed
-                if not committed or not collect.to_retire(self._storage, self._keep, protect={committed[-1]} | pending | self._in_flight()):
+                if not committed or not collect.to_retire(self._storage, self._keep, protect={committed[-1]} | self._protected()):
                     return
             except (OSError, CheckpointError):
                 return  # a listing race with the leader's deletes: steps() will say what is there
@@ -125,16 +124,18 @@ class LocalRetention:
             if newest:
                 self._apply(newest[-1])
 
-    def _apply(self, newest: int, *, files: bool = True) -> None:
+    def _protected(self) -> set[int]:
+        """Steps retention leaves alone besides the newest: uploads not finished, copies to peers, saves in flight."""
         pending = self._pending.steps() if self._pending is not None else set()
-        if self._held is not None:
-            pending |= self._held()
-        in_flight = self._in_flight()
+        return pending | (self._held() if self._held is not None else set()) | self._in_flight()
+
+    def _apply(self, newest: int, *, files: bool = True) -> None:
+        protect = {newest} | self._protected()
         try:
             with self._lock:
                 if files:
-                    collect.apply_retention(self._storage, self._keep, protect={newest} | pending, in_flight=in_flight)
-                elif collect.retire_by_policy(self._storage, self._keep, protect={newest} | pending):
+                    collect.apply_retention(self._storage, self._keep, protect=protect, in_flight=self._in_flight())
+                elif collect.retire_by_policy(self._storage, self._keep, protect=protect):
                     self._collected.clear()
         except Exception as exc:  # retention is retried after the next commit; never stop the thread
             log.warning("checkpointing: retention after step %d failed: %s", newest, exc)
