@@ -160,7 +160,7 @@ class CheckpointManager:
         if self.remote_storage is not None and not options.read_only:  # collective: the ranks agree on interrupted uploads to resume
             self._uploader, resumed = start_uploader(self.storage, self.remote_storage, coord, keep_remote=options.remote_retention,
                                                      on_finish=AfterUpload(self._records, retention), pending=pending, yield_s=options.yield_s)
-            self._inflight.resumed(resumed)
+            self._inflight.resumed(resumed, coord.world_size)
         if not options.read_only:  # a record for each save a killed process committed and did not record
             self._records.recover(self.storage, resumed={j.step for j in resumed}, remote=self._uploader)
         self._worker = SaveWorker(self.storage, self._pool, coord, write_block=options.write_block_bytes, incremental=options.incremental,
@@ -226,7 +226,7 @@ class CheckpointManager:
         over for the next older one (a warning names it; restore/attempt.py), and with one process deleted, so that
         training saves it again (save/deletion.py retire_newer)."""
         self._check_open(step=step)
-        self._inflight.wait_local()
+        self._inflight.before_restore()
         remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())
         if remote is None and not self._coord.tiers[self.rank]:  # read-only, no TIER file: it holds every primary copy
             remote, remote_steps = self.storage, set(catalog.list_steps(self.storage).committed)

@@ -83,6 +83,18 @@ def crash_before_remote_commit(rank: int, world: int, base: str, url: str, optio
     return "uploaded"
 
 
+def restart_and_restore(rank: int, world: int, base: str, url: str, options: dict) -> tuple[int | None, dict[int, str]]:
+    """A restart on `world` ranks, each on node<rank> (a new node starts empty): restore the replicated `w`."""
+    from checkpointing import CheckpointManager
+
+    with CheckpointManager(f"{base}/node{rank}", remote=url, storage_options=options, timeout_s=60, upload_part_bytes=5 * MiB) as mgr:
+        w = torch.zeros(1 << 16)
+        step = mgr.restore({"w": w}, only="w")
+        assert step is None or torch.equal(w, torch.arange(1 << 16, dtype=torch.float32))
+        mgr.wait()
+        return step, mgr.tiers()
+
+
 def upload_fails_on_one_rank(rank: int, world: int, base: str, url: str, options: dict, bad_rank: int) -> list[str]:
     """Rank `bad_rank` gets 403s from the remote tier: the step stays local everywhere, every rank names it."""
     from faults import Fault, inject

@@ -268,6 +268,38 @@ def test_a_step_released_while_a_save_was_in_flight_is_deleted_by_the_next_run_a
     assert not (store / ptr.RELEASED_NAME).exists()
 
 
+_MOVE_THEN_DIE = r"""
+import sys, time, torch
+from checkpointing.integrations.lightning import LightningCheckpointIO
+store, ckpts = sys.argv[1:3]
+io = LightningCheckpointIO(store)
+for step in (5, 7):  # save_last: last.ckpt moves from step 5 to step 7 in 7's done callback
+    io.save_checkpoint({"global_step": step, "state_dict": {"w": torch.full((8,), float(step))}}, ckpts + "/last.ckpt")
+    io.manager.wait()
+    while not io._steps[step].settled.is_set():
+        time.sleep(0.01)
+print("moved", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_step_a_pointer_moved_off_is_deleted_by_the_next_run_after_a_crash(tmp_path):
+    store, ckpts = tmp_path / "store", tmp_path / "ckpts"
+    child = subprocess.Popen([sys.executable, "-c", _MOVE_THEN_DIE, str(store), str(ckpts)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    try:
+        assert child.stdout.readline().strip() == "moved"
+    finally:
+        child.kill()  # SIGKILL after the pointer moved, before any later call could delete step 5
+        child.wait()
+    assert _steps(store) == [5, 7] and _pointers(ckpts) == {"last.ckpt": 7}
+    assert ptr.read_released(LocalStorage(store, direct=False, create=False)) == {5}
+    io = LightningCheckpointIO(store)  # the next run
+    io.save_checkpoint({"global_step": 9, "state_dict": {"w": torch.ones(8)}}, ckpts / "last.ckpt")
+    io.teardown()
+    assert _steps(store) == [9] and _pointers(ckpts) == {"last.ckpt": 9}
+
+
 def test_a_copied_run_loads_from_its_own_store(tmp_path):
     import shutil
 

@@ -175,7 +175,7 @@ def test_steps_to_delete_examples():
 
 
 def _offer(need: list[tuple[str, int]], have: set[str], digest: str = "d") -> ResumeOffer:
-    return ResumeOffer(digest, tuple(need), frozenset(have))
+    return ResumeOffer(digest, 2, tuple(need), frozenset(have))
 
 
 NEED = [("step-1/a", 0), ("step-1/b", 1), ("step-0/c", 1)]  # an incremental step: one file from an earlier step
@@ -195,13 +195,20 @@ def test_on_fewer_ranks_the_lowest_holder_sends_what_its_writer_is_not_there_to_
     assert plan.sends == {1: (("step-1/a",), ("step-1/b", "step-0/c"), ())}
 
 
-def test_a_step_is_left_when_a_file_is_nowhere_or_a_rank_lacks_the_step_or_the_saves_differ():
+def test_a_step_is_left_when_a_file_is_nowhere_or_rank_0_lacks_the_step_or_the_saves_differ():
+    everything = {p for p, _ in NEED}
     plan = resume_plan([{1: _offer(NEED, {"step-1/a"}), 2: _offer(NEED, {"step-1/a"}), 3: _offer(NEED, set(), "x")},
-                        {2: _offer(NEED, {"step-1/b", "step-0/c"}), 3: _offer(NEED, set(), "y")}])
+                        {2: _offer(NEED, {"step-1/b", "step-0/c"}), 3: _offer(NEED, set(), "y"), 4: _offer(NEED, everything)}])
     assert plan.sends == {2: (("step-1/a",), ("step-1/b", "step-0/c"))}
-    assert plan.left[1] == "not committed on the local tier of rank(s) 1"
+    assert "no rank of this job holds 2 of its files (e.g. step-1/b)" in plan.left[1]
     assert plan.left[3] == "the ranks' local tiers hold different saves of it"
-    assert "no rank of this job holds 2 of its files" in resume_plan([{1: _offer(NEED, {"step-1/a"})}]).left[1]
+    assert plan.left[4] == "not committed on the local tier of rank 0 (which commits it on the remote tier)"
+
+
+def test_a_node_added_since_takes_part_with_nothing_to_send():
+    everything = {p for p, _ in NEED}
+    plan = resume_plan([{1: _offer(NEED, everything)}, {1: _offer(NEED, everything)}, {}])  # 2 -> 3 ranks: rank 2 is new
+    assert plan.sends == {1: (("step-1/a",), ("step-1/b", "step-0/c"), ())} and plan.left == {}
 
 
 @settings(max_examples=200, deadline=None)

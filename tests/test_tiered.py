@@ -458,6 +458,18 @@ def test_ranks_resume_an_interrupted_upload_together(tmp_path, s3_bucket):
     assert assert_remote_whole(remote_of(s3_bucket)) == [1]
 
 
+def test_a_restart_with_a_node_added_resumes_the_upload_and_restores_the_step_it_finishes(tmp_path, s3_bucket):
+    """Two nodes save step 1 and die before its remote COMMIT; three ranks restart (node 2 new and empty):
+    the old nodes send their files, the new rank takes part in the commit, and every rank restores step 1
+    (the new rank from the remote tier, once the resumed upload finished)."""
+    base, url, options = _bucket_args(s3_bucket, tmp_path)
+    crashed = run_ranks(_tiered.crash_before_remote_commit, 2, base, url, options, False, tmp=tmp_path)
+    assert all("InjectedCrash" in c for c in crashed), crashed
+    out = run_ranks(_tiered.restart_and_restore, 3, base, url, options, tmp=tmp_path)
+    assert [step for step, _ in out] == [1, 1, 1] and out[2][1] == {1: "remote"}, out
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1]
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["one-node", "two-nodes"])
 def test_a_restart_on_fewer_ranks_resumes_the_upload_when_it_holds_every_file(tmp_path, s3_bucket, shared, caplog):
     """Two ranks save step 1 and die before its remote COMMIT; one process restarts. On one node (a

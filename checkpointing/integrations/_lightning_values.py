@@ -31,6 +31,8 @@ from checkpointing.format.dtypes import dtype_from_name, dtype_name
 from checkpointing.state.codecs import Codec
 from checkpointing.state.tree import flatten_state
 
+BULK = frozenset({"state_dict", "optimizer_states"})  # never in an alias's overrides: equal at one global step
+MAX_OVERRIDE_BYTES = 1 << 20
 CODEC_HINT = ("LightningCheckpointIO never pickles: give it a codec for that type (LightningCheckpointIO(dir, codecs=[codec]), "
               "a checkpointing.Codec: name, types, encode(obj) -> JSON-like data, decode(data)), or keep the value out of "
               "the checkpoint (self.save_hyperparameters(ignore=[...]))")
@@ -223,6 +225,26 @@ def global_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def add_rank_zero_group(options: dict[str, Any]) -> None:
+    """Under DDP (several ranks, no process_group given): the process group of global rank 0 alone, which
+    Lightning saves from, as the manager's. A collective: every rank calls this once, at its first optimizer step."""
+    import torch.distributed as dist
+
+    if "process_group" not in options and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        options["process_group"] = dist.new_group([0])
+
+
+def overrides(checkpoint: Mapping[str, Any], target: str, codecs: tuple[Codec, ...]) -> dict | None:
+    """The entries of a second save at one step that its pointer carries (lightning.py's module docstring)."""
+    small = {k: v for k, v in checkpoint.items() if k not in BULK and tensor_bytes(v) <= MAX_OVERRIDE_BYTES}
+    if not small:
+        return None
+    try:
+        return encode_entries(small, codecs)
+    except StateError as exc:
+        raise StateError(f"{exc} (saving {target}){namespaces_hint(exc, checkpoint)}. {CODEC_HINT}") from exc
+
+
 def check_one_writer(options: Mapping[str, Any]) -> None:
     """Refuse a manager on the default process group of several ranks: Lightning saves from rank 0 only."""
     import torch.distributed as dist
@@ -230,5 +252,6 @@ def check_one_writer(options: Mapping[str, Any]) -> None:
     if "process_group" not in options and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise CheckpointConfigError(
             "LightningCheckpointIO: Lightning saves from global rank 0 only, and a CheckpointManager on the default "
-            "process group would wait for every rank; pass process_group=torch.distributed.new_group([0]) "
-            "(created on every rank) to LightningCheckpointIO(...)")
+            "process group would wait for every rank. It runs on a group of rank 0 alone, made on every rank at the first "
+            "optimizer step: save after one, or pass process_group=torch.distributed.new_group([0]) (made on every rank) "
+            "to LightningCheckpointIO(...)")

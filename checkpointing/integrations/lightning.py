@@ -28,9 +28,9 @@ records an alias, whose pointer also carries the small entries that may differ (
 
 remove_checkpoint(path) removes the pointer (or the alias waiting for its commit); an overwritten
 pointer (`last.ckpt` moves on) releases its old step too. The step goes (mgr.delete, reference-safe)
-once no pointer in a directory this object wrote to or read from, and no alias waiting, names it;
-that never waits for a save: it runs at the next call (or teardown) with no save in flight. Until
-then the directory's `lightning-released.json` lists it: after a crash the next run deletes it.
+once no pointer in a directory this object wrote to or read from, and no alias waiting, names it, at the
+next call (or teardown) with no save in flight. Until then `lightning-released.json` lists it (written
+before the pointer moves off it): after a crash the next run deletes it.
 
 A save at a step an earlier run committed, other than the step this object loaded (a resume from
 an older checkpoint trains over newer steps), replaces it, as Torch's IO overwrites a file: the old
@@ -49,7 +49,8 @@ Inference: Lightning's `MyModule.load_from_checkpoint(path)` torch.loads the poi
 Limits: a pointer copied to a directory this object neither wrote to nor loaded from does not keep
 its step. ModelCheckpoint(save_last="link") replaces `last.ckpt` by a link without remove_checkpoint,
 so the old pointer's step stays on disk (save_last=True costs only a pointer here anyway). Lightning
-saves from global rank 0 only: under DDP pass process_group=torch.distributed.new_group([0]).
+saves from global rank 0 only: under DDP the manager runs on a process group of rank 0 alone, made on every
+rank at the first optimizer step (or pass process_group=torch.distributed.new_group([0]), made on every rank).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import os
 import shutil
 import threading
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -81,8 +82,6 @@ __all__ = ["LightningCheckpointIO"]
 log = logging.getLogger("checkpointing")
 
 ID_KEY = "_lightning_checkpoint_io"  # stored in every step: {"save_id": ...}, checked against the pointer at load
-BULK = frozenset({"state_dict", "optimizer_states"})  # never in an alias's overrides: equal at one global step
-MAX_OVERRIDE_BYTES = 1 << 20
 
 
 class LightningCheckpointIO(CheckpointIO):
@@ -147,7 +146,7 @@ class LightningCheckpointIO(CheckpointIO):
             self._dirs.add(os.path.dirname(target))
             known = self._steps.get(step)
         if known is not None:
-            self._add_alias(target, step, known, self._overrides(checkpoint, target))
+            self._add_alias(target, step, known, vals.overrides(checkpoint, target, self._codecs))
             return
         if step in self._on_disk:
             self._replace(step)
@@ -215,6 +214,7 @@ class LightningCheckpointIO(CheckpointIO):
             pointer = ptr.read_pointer_quietly(target)
             if pointer is not None and pointer.directory == self.directory:
                 self._doomed.add(pointer.step)
+                self._journal()
             if os.path.isdir(target) and not os.path.islink(target):
                 shutil.rmtree(target)
             elif os.path.lexists(target):
@@ -259,7 +259,9 @@ class LightningCheckpointIO(CheckpointIO):
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             io = me()
-            if io is not None and io._mgr is None and vals.global_rank_zero():  # the hook stays until teardown
+            if io is not None and io._mgr is None:  # the hook stays until teardown
+                vals.add_rank_zero_group(io._options)  # under DDP, on every rank once (a collective): the group rank 0 saves in
+            if io is not None and io._mgr is None and vals.global_rank_zero():
                 try:
                     io._open()
                 except CheckpointError as exc:  # the first save raises it, where Lightning reports it
@@ -275,15 +277,10 @@ class LightningCheckpointIO(CheckpointIO):
             self._doomed |= ptr.read_released(self._mgr.storage) & self._on_disk  # an earlier run's, which stopped before deleting them
         return self._mgr
 
-    def _overrides(self, checkpoint: Mapping[str, Any], target: str) -> dict | None:
-        """The entries of a second save at one step that its pointer carries (see the module docstring)."""
-        small = {k: v for k, v in checkpoint.items() if k not in BULK and vals.tensor_bytes(v) <= MAX_OVERRIDE_BYTES}
-        if not small:
-            return None
-        try:
-            return vals.encode_entries(small, self._codecs)
-        except StateError as exc:
-            raise StateError(f"{exc} (saving {target}){vals.namespaces_hint(exc, checkpoint)}. {vals.CODEC_HINT}") from exc
+    def _journal(self) -> None:
+        """Record the doomed steps (the lock held) before a pointer moves off one: after a crash the next run deletes them."""
+        if self._mgr is not None:
+            ptr.write_released(self._mgr.storage, self._doomed & self._on_disk)
 
     def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
         """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
@@ -323,14 +320,15 @@ class LightningCheckpointIO(CheckpointIO):
     def _write(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
         """Write a pointer (the lock held); the step it replaces at `target` may go."""
         old = ptr.read_pointer_quietly(target)
+        if old is not None and old.directory == self.directory and old.step != step:
+            self._doomed.add(old.step)
+            self._journal()
         try:
             ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides))
         except OSError as exc:
             raise CheckpointError(f"cannot write the pointer file {target} for step {step} ({exc}); "
                                   f"the step is committed in {self.directory}") from exc
         self._dirs.add(os.path.dirname(target))
-        if old is not None and old.directory == self.directory and old.step != step:
-            self._doomed.add(old.step)
 
     def _referenced(self) -> set[int]:
         """Steps a pointer (in the directories this object knows) or an alias waiting names (the lock held)."""

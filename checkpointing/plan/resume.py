@@ -5,8 +5,9 @@ step on the remote tier, the step's primary files (what the remote tier needs, w
 wrote each) and the ones it holds whole. Every rank runs `resume_plan` on every rank's offer and so
 reaches the same answer. A step is resumed when
 
-- every rank offers it: every rank has it committed locally (each takes part in its remote commit,
-  and rank 0 copies its own manifest there), and
+- rank 0 offers it (it copies its own manifest and COMMIT to the remote tier), and no rank holds
+  another save under that step number; ranks that do not hold it (a node added since) take part
+  in its remote commit with nothing to send, and
 - together the ranks hold every file it needs.
 
 A file goes up from the rank that wrote it when that rank is in this job and holds it: at the same
@@ -27,15 +28,17 @@ class ResumeOffer:
     rank), and those of them this rank holds whole."""
 
     digest: str
+    world_size: int  # the saving job's
     need: tuple[tuple[str, int], ...]
     have: frozenset[str]
 
     def to_json(self) -> dict[str, Any]:
-        return {"digest": self.digest, "need": [list(n) for n in self.need], "have": sorted(self.have)}
+        return {"digest": self.digest, "world_size": self.world_size, "need": [list(n) for n in self.need], "have": sorted(self.have)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ResumeOffer":
-        return cls(str(data["digest"]), tuple((str(p), int(r)) for p, r in data["need"]), frozenset(str(p) for p in data["have"]))
+        return cls(str(data["digest"]), int(data["world_size"]), tuple((str(p), int(r)) for p, r in data["need"]),
+                   frozenset(str(p) for p in data["have"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +55,18 @@ def resume_plan(offers: Sequence[Mapping[int, ResumeOffer]]) -> ResumePlan:
     sends: dict[int, tuple[tuple[str, ...], ...]] = {}
     left: dict[int, str] = {}
     for step in sorted(set().union(*(o.keys() for o in offers)) if offers else ()):
-        absent = [r for r in range(world) if step not in offers[r]]
-        if absent:
-            left[step] = f"not committed on the local tier of rank(s) {_ranks(absent)}"
+        if step not in offers[0]:
+            left[step] = "not committed on the local tier of rank 0 (which commits it on the remote tier)"
             continue
+        present = [r for r in range(world) if step in offers[r]]
         need = offers[0][step].need
-        if any(offers[r][step].digest != offers[0][step].digest for r in range(world)):
+        if any(offers[r][step].digest != offers[0][step].digest for r in present):
             left[step] = "the ranks' local tiers hold different saves of it"
             continue
         per_rank: list[list[str]] = [[] for _ in range(world)]
         missing = []
         for path, writer in need:
-            holders = [r for r in range(world) if path in offers[r][step].have]
+            holders = [r for r in present if path in offers[r][step].have]
             if not holders:
                 missing.append(path)
             else:
@@ -74,6 +77,3 @@ def resume_plan(offers: Sequence[Mapping[int, ResumeOffer]]) -> ResumePlan:
         sends[step] = tuple(tuple(p) for p in per_rank)
     return ResumePlan(sends, left)
 
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")

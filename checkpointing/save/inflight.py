@@ -24,11 +24,23 @@ class InFlight:
     def __init__(self, stall: Stall) -> None:
         self.current: SaveJob | None = None
         self.uploads: list[UploadJob] = []
+        self._relaid: list[UploadJob] = []  # resumed uploads of steps saved at another world size (before_restore)
         self._stall = stall
 
-    def resumed(self, uploads: list[UploadJob]) -> None:
-        """Uploads an earlier process left unfinished, resumed at start-up."""
+    def resumed(self, uploads: list[UploadJob], world_size: int) -> None:
+        """Uploads an earlier process left unfinished, resumed at start-up; those of steps saved at another
+        world size are waited for before a restore (`before_restore`)."""
         self.uploads.extend(uploads)
+        self._relaid = [u for u in uploads if u.committed is not None and u.committed.world_size != world_size]
+
+    def before_restore(self) -> None:
+        """restore() chooses its step across ranks: the newest save finished locally, and a resumed upload of a
+        step saved at another world size finished too (a rank of this layout may read that step only from the
+        remote tier, and would pass it over for an older one). Their errors stay as resumed uploads' do (logged)."""
+        self.wait_local()
+        relaid, self._relaid = self._relaid, []
+        for up in relaid:
+            up.wait()
 
     def add(self, job: SaveJob) -> None:
         """The save just issued (and its upload, if any)."""

@@ -108,7 +108,8 @@ class SaveIssuer:
                 f"step {step} is already committed in {self._storage.root}"
                 f"{' or on the remote tier' if self._uploader is not None else ''}: checkpoints are immutable; save under "
                 f"a new step number, or delete that step first with mgr.delete({step}) (the newest step: "
-                f"mgr.delete({step}, allow_latest=True); CLI: checkpointing rm DIR_OR_URL --step {step})"
+                f"mgr.delete({step}, allow_latest=True); a step some ranks no longer see, after a node was lost: add "
+                f"missing_ok=True, on every rank; CLI: checkpointing rm DIR_OR_URL --step {step})"
             )
         eager = eager if eager is not None else self._options.snapshot == "eager"
         watched = frozenset[int]()

@@ -251,7 +251,9 @@ def start_uploader(
     resumed = []
     for step in agreed:
         log.info("checkpointing: step %d is committed locally but not on %s: resuming its upload", step, remote.url)
-        job = UploadJob(step, committed=mine[step][1], t_local=time.perf_counter(), sends=plan.sends[step][coord.rank])
+        offer = offers[0][step]  # a rank without the step (a node added since) sends nothing and takes part in its commit
+        committed = mine[step][1] if step in mine else CommittedStep(step, offer.digest, offer.world_size, ())
+        job = UploadJob(step, committed=committed, t_local=time.perf_counter(), sends=plan.sends[step][coord.rank])
         uploader.submit(job)
         resumed.append(job)
     return uploader, resumed
@@ -279,7 +281,7 @@ def resume_offers(local: LocalStorage, remote_committed: list[int]) -> dict[int,
             continue
         need = [f for f in manifest.files if f.primary_bytes]
         have = frozenset(f.path for f in need if _local_size(local, f.path) >= f.primary_bytes)
-        out[step] = (ResumeOffer(digest, tuple((f.path, f.rank) for f in need), have), CommittedStep.of(manifest, digest))
+        out[step] = (ResumeOffer(digest, manifest.world_size, tuple((f.path, f.rank) for f in need), have), CommittedStep.of(manifest, digest))
     return out
 
 
