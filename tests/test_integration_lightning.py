@@ -300,6 +300,44 @@ def test_a_step_a_pointer_moved_off_is_deleted_by_the_next_run_after_a_crash(tmp
     assert _steps(store) == [9] and _pointers(ckpts) == {"last.ckpt": 9}
 
 
+_DDP_FIT = r"""
+import sys, torch, torch.nn as nn
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+from checkpointing.integrations.lightning import LightningCheckpointIO
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        return self.net(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+if __name__ == "__main__":
+    root, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+    torch.manual_seed(0)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[LightningCheckpointIO(root + "/store")],
+                         callbacks=[ModelCheckpoint(dirpath=root + "/ckpts", every_n_train_steps=2, save_last=True)])
+    trainer.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4), ckpt_path="last" if resume else None)
+    print("global_step", trainer.global_step, flush=True)
+"""
+
+
+def test_lightning_ddp_saves_from_rank_zero_without_a_process_group_of_the_users_own(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(_DDP_FIT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "MASTER_ADDR": "127.0.0.1"}
+    for steps, how in ((4, "fresh"), (6, "resume")):  # Lightning's own DDP launcher: the plugin makes rank 0's group itself
+        r = subprocess.run([sys.executable, str(script), str(tmp_path), str(steps), how], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+        assert r.returncode == 0 and f"global_step {steps}" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert _pointers(tmp_path / "ckpts")["last.ckpt"] == 6 and 6 in _steps(tmp_path / "store")
+
+
 def test_a_copied_run_loads_from_its_own_store(tmp_path):
     import shutil
 
