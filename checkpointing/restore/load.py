@@ -47,8 +47,7 @@ def load(
     saved them; without it such values are refused by key (sharded and replicated tensors need no
     rank: they come back whole). codecs: the Codec objects values were saved with.
     """
-    if step is not None:
-        naming.check_step(step)
+    naming.check_step(step, optional=True)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise CheckpointConfigError(f"rank={rank!r} is invalid: pass the int rank whose per-rank values to read")
     storage = open_readonly(path_or_url, storage_options)
