@@ -225,12 +225,19 @@ def global_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _on_default_group(options: Mapping[str, Any]) -> bool:
+    """No process_group given, and torch.distributed runs several ranks: a manager would span them all."""
+    import torch.distributed as dist
+
+    return "process_group" not in options and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def add_rank_zero_group(options: dict[str, Any]) -> None:
     """Under DDP (several ranks, no process_group given): the process group of global rank 0 alone, which
     Lightning saves from, as the manager's. A collective: every rank calls this once, at its first optimizer step."""
     import torch.distributed as dist
 
-    if "process_group" not in options and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _on_default_group(options):
         options["process_group"] = dist.new_group([0])
 
 
@@ -247,9 +254,7 @@ def overrides(checkpoint: Mapping[str, Any], target: str, codecs: tuple[Codec, .
 
 def check_one_writer(options: Mapping[str, Any]) -> None:
     """Refuse a manager on the default process group of several ranks: Lightning saves from rank 0 only."""
-    import torch.distributed as dist
-
-    if "process_group" not in options and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _on_default_group(options):
         raise CheckpointConfigError(
             "LightningCheckpointIO: Lightning saves from global rank 0 only, and a CheckpointManager on the default "
             "process group would wait for every rank. It runs on a group of rank 0 alone, made on every rank at the first "
