@@ -184,6 +184,8 @@ class CheckpointManager:
         rank 0's are recorded. Every rank calls save() with the same step; none waits for the others.
         """
         self._check_open("save()")
+        for older in self._deleter.passed_over():  # several ranks: restore(step=None) resumed from an older step than these
+            self.delete(older, allow_latest=True, missing_ok=True)
         self._peers.wait_previous(self._saves.current)  # at most one step copies to the peers while the next is written
         job = self._saves.issue(step, state, eager=eager, metrics=metrics)
         self._loop.at_safe_point(step)
@@ -223,8 +225,8 @@ class CheckpointManager:
         rest of `state` keeps its values; a pattern matching nothing is an error). Names that differ only by wrappers
         (torch.compile's `_orig_mod.`) match, and an object and its state_dict() restore into each other. Every byte
         is verified before anything is applied; with step=None a step whose data is damaged on every copy is passed
-        over for the next older one (a warning names it; restore/attempt.py), and with one process deleted, so that
-        training saves it again (save/deletion.py retire_newer)."""
+        over for the next older one (a warning names it; restore/attempt.py). The newer steps it passes over are deleted (with
+        several ranks at the next save()), so that training saves them again (save/deletion.py retire_newer)."""
         self._check_open(step=step)
         self._inflight.before_restore()
         remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())

@@ -320,6 +320,33 @@ def test_delete_with_two_ranks_is_collective(tmp_path):
         assert not (tmp_path / f"rank{rank}" / naming.step_dir(4)).exists()
 
 
+def _resume_after_a_node_lost_steps(rank: int, world: int, base: str, phase: str) -> dict:
+    """Each rank its own node-local tier; between the two jobs rank 1's node lost steps 3 and 4."""
+    t = Trainer()
+    with manager(Path(base) / f"rank{rank}", timeout_s=60) as mgr:
+        if phase == "first job":
+            for step in (1, 2, 3, 4):
+                mgr.save(step, t.to(step)).wait()
+            return {}
+        out = {"restored": mgr.restore(t.state), "after restore": mgr.steps()}  # restoring alone deletes nothing
+        for step in (3, 4):  # the training loop goes on from step 2, with other values than the lost run
+            mgr.save(step, t.to(step, salt=1.0)).wait()
+        out["end"] = mgr.steps()
+        assert same(restored(mgr, 4), values(4, salt=1.0)) and same(restored(mgr, 3), values(3, salt=1.0))
+    return out
+
+
+def test_training_goes_on_after_a_node_lost_the_newest_steps(tmp_path):
+    """restore(step=None) with several ranks passes over the steps one node lost; the next save()
+    deletes them on the ranks that still hold them, so the loop saves those step numbers again."""
+    run_ranks(_resume_after_a_node_lost_steps, 2, str(tmp_path), "first job", tmp=tmp_path)
+    for step in (3, 4):
+        (tmp_path / "rank1" / naming.commit_name(step)).unlink()
+    results = run_ranks(_resume_after_a_node_lost_steps, 2, str(tmp_path), "second job", tmp=tmp_path)
+    assert results[0] == {"restored": 2, "after restore": [1, 2, 3, 4], "end": [1, 2, 3, 4]}, results
+    assert results[1] == {"restored": 2, "after restore": [1, 2], "end": [1, 2, 3, 4]}, results
+
+
 def _delete_on_rank_zero_only(rank: int, world: int, base: str) -> str:
     with manager(Path(base) / "shared", timeout_s=5) as mgr:
         mgr.save(1, {"x": torch.arange(8)}).wait()

@@ -93,8 +93,8 @@ class LocalCoordinator:
     def agree_restore(self, readable: list[int], note: str, requested: int | None, error: str | None = None) -> int | None:
         return agreed_step([RestoreView(readable, note, error)], requested)
 
-    def gather_resume(self, offer: dict[str, Any]) -> list[dict[str, Any]]:
-        return [offer]
+    def gather(self, name: str, value: dict[str, Any]) -> list[dict[str, Any]]:
+        return [value]
 
     def remote_committer(self, local: Storage, remote: Storage) -> TierCommitter:
         return LocalTierCommitter(local, remote)

@@ -7,7 +7,8 @@ of one job, or one job's restarts, never read each other's keys. Under it:
     barrier/<name>/<rank>       the rank reached barrier <name>
     left/<rank>                 the rank is done with the store (close)
     restore/<n>/<rank>          the steps the rank can restore, for the manager's n-th restore
-    resume/<rank>               the interrupted uploads the rank can resume (start-up)
+    gather/<name>/<rank>        the rank's value in gather <name> ("resume": the interrupted uploads it can
+                                resume, at start-up; "passed-over/<n>": the newer steps it sees, n-th restore)
     save/<seq>/ws/<rank>        what replicated tensors the rank writes in save number seq
     save/<seq>/part/<rank>      its report (rank_reports.RankPart) or its error
     save/<seq>/silent/<rank>    the ranks it timed out waiting for in that save, and its error
@@ -73,8 +74,8 @@ def restore(n: int, rank: int) -> str:
     return f"restore/{n}/{rank}"
 
 
-def resume(rank: int) -> str:
-    return f"resume/{rank}"
+def gather(name: str, rank: int) -> str:
+    return f"gather/{name}/{rank}"
 
 
 # ---------------------------------------------------------------- one save (StoreCoordinator)

@@ -252,12 +252,12 @@ class StoreCoordinator:
         return agreed_step([RestoreView(**json.loads(v)) for v in self.store.multi_get(view_keys)], requested)
 
     @store_errors
-    def gather_resume(self, offer: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's offer of interrupted uploads (plan/resume.py), indexed by rank."""
-        self.store.set(keys.resume(self.rank), json.dumps(offer))
-        resume_keys = [keys.resume(r) for r in range(self.world_size)]
-        self._wait(resume_keys, time.monotonic() + self.timeout_s, "start-up: agreeing on uploads to resume")
-        return [json.loads(v) for v in self.store.multi_get(resume_keys)]
+    def gather(self, name: str, value: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `value`, indexed by rank."""
+        self.store.set(keys.gather(name, self.rank), json.dumps(value))
+        gather_keys = [keys.gather(name, r) for r in range(self.world_size)]
+        self._wait(gather_keys, time.monotonic() + self.timeout_s, f"gathering every rank's {name}")
+        return [json.loads(v) for v in self.store.multi_get(gather_keys)]
 
     def barrier(self, name: str, error: str | None = None) -> None:
         failed = self.errors_at(name, error)

@@ -11,7 +11,7 @@ Call order for one save, on the ckpt-io thread of every rank (the same `seq` eve
 `share_written` once this rank knows what it writes -> `peer_written` (only when it may skip bytes
 its local-tier peers write) -> `commit` with its part; or, at any point of its part failing,
 `fail`. Collective calls on the training thread (every rank, the same order): `barrier`,
-`agree_restore`, `gather_resume`, `close`.
+`agree_restore`, `gather`, `close`.
 """
 
 from __future__ import annotations
@@ -131,8 +131,9 @@ class Coordinator(Exchange, Protocol):
         """The newest step every rank can read (or check `requested`); the error names who cannot."""
         ...
 
-    def gather_resume(self, offer: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's offer of interrupted uploads (plan/resume.py), indexed by rank."""
+    def gather(self, name: str, value: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `value` (JSON), indexed by rank; `name` is unique to this call on every rank
+        ("resume": the interrupted uploads each rank can resume, plan/resume.py)."""
         ...
 
     def remote_committer(self, local: Storage, remote: Storage) -> TierCommitter:

@@ -49,9 +49,13 @@ class StepDeleter:
         self._local, self._remote, self._coord = local, remote, coord
         self._inflight, self._worker, self._uploader = inflight, worker, uploader
         self._calls = 0  # the same on every rank: names this call's meeting points in the store
+        self._restores = 0  # restore(step=None) calls of several ranks: names their gathers
+        self._passed: list[int] = []  # steps the last one passed over on some rank (save() deletes them)
+        self._passed_from = 0  # the step it restored
 
     def delete(self, step: int, *, allow_latest: bool = False, missing_ok: bool = False) -> None:
         naming.check_step(step)
+        self._passed = [s for s in self._passed if s != step]  # the same on every rank (a collective call)
         self._inflight.settle()
         self._worker.settle()  # local retention's files of retired steps are gone: one collector at a time
         n, self._calls = self._calls, self._calls + 1
@@ -70,12 +74,14 @@ class StepDeleter:
             log.info("checkpointing: rank %d: deleted step %d from %s", self._coord.rank, step, self._where())
 
     def retire_newer(self, chosen: int) -> None:
-        """After restore(step=None) resumed from `chosen` in a job of one process: the newer committed
-        steps it passed over (damaged on every copy, or their data gone from every tier) are deleted,
-        with a warning, so that the run saves those step numbers again (save() refuses a committed
-        step). With several ranks they are left as they are (a rank that cannot read what another
-        holds may be waiting for a node to come back): delete() them to train on from `chosen`."""
+        """After restore(step=None) resumed from `chosen`: the newer committed steps it passed over
+        (damaged on every copy, or their data gone from every tier) go, so that the run saves those
+        step numbers again (save() refuses a committed step). In a job of one process they are deleted
+        now, each with a warning. With several ranks (a step a lost node took with it, which the other
+        ranks still hold) the ranks agree on them now and delete them at the next save() (`passed_over`):
+        restoring alone, e.g. to evaluate, deletes nothing."""
         if self._coord.world_size > 1:
+            self._agree_passed_over(chosen)
             return
         found: list[tuple[Storage, list[int]]] = []
         for storage in [self._local] + ([self._remote] if self._remote is not None else []):
@@ -98,6 +104,27 @@ class StepDeleter:
                     self._uploader.saw_remote(removed=newer)
             except (OSError, CheckpointError) as exc:
                 log.warning("checkpointing: could not delete the steps newer than %d from %s: %s", chosen, storage.url, exc)
+
+    def passed_over(self) -> list[int]:
+        """The steps the last restore(step=None) passed over on some rank, newest first, once (several
+        ranks; the same list on every rank): save() deletes them, collectively, before its step."""
+        steps, self._passed = sorted(self._passed, reverse=True), []
+        if steps and self._coord.rank == 0:
+            log.warning("checkpointing: step(s) %s could not be restored on every rank (restore() resumed from step %d): deleting "
+                        "them from every tier, so that training saves those step numbers again", _few(set(steps)), self._passed_from)
+        return steps
+
+    def _agree_passed_over(self, chosen: int) -> None:
+        """Every rank's committed steps newer than `chosen` (its local tier, the remote tier), their union kept."""
+        mine: set[int] = set()
+        for storage in [self._local] + ([self._remote] if self._remote is not None else []):
+            try:
+                mine.update(s for s in catalog.list_steps(storage).committed if s > chosen)
+            except (OSError, CheckpointError) as exc:
+                log.warning("checkpointing: could not list %s for the steps newer than %d: %s", storage.url, chosen, exc)
+        n, self._restores = self._restores, self._restores + 1
+        seen = self._coord.gather(f"passed-over/{n}", {"steps": sorted(mine)})
+        self._passed, self._passed_from = sorted(set().union(*(v["steps"] for v in seen))), chosen
 
     def _where(self) -> str:
         return self._local.url + (f" and the remote tier {self._remote.url}" if self._remote is not None else "")

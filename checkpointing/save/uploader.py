@@ -234,7 +234,7 @@ def start_uploader(
     mine = resume_offers(local, listing.committed)
     stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
     offers = [{int(s): ResumeOffer.from_json(o) for s, o in got.items()}
-              for got in coord.gather_resume({str(s): o.to_json() for s, (o, _) in mine.items()})]
+              for got in coord.gather("resume", {str(s): o.to_json() for s, (o, _) in mine.items()})]
     plan = resume_plan(offers)
     for step, why in plan.left.items():
         if coord.rank == min(r for r, o in enumerate(offers) if step in o):  # said once
