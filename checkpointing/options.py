@@ -146,8 +146,10 @@ class ManagerOptions:
     peer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.read_only, bool):
-            raise CheckpointConfigError(f"read_only={self.read_only!r} is invalid: pass True (only read) or False")
+        for name, what in (("read_only", "only read"), ("incremental", "write only what changed"), ("fsync", "make each step durable"),
+                           ("direct_io", "write with O_DIRECT where the file system takes it")):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointConfigError(f"{name}={getattr(self, name)!r} is invalid: pass True ({what}) or False")
         for name in ("keep_local", "keep_remote"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, RetentionPolicy) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

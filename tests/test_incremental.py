@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 
 from hostile import flip_bits
 from _models import assert_tree_equal, child_env, clone_tree, step_dir_name
-from checkpointing import CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointSaveError
+import checkpointing
+from checkpointing import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointManager, CheckpointSaveError
 from checkpointing.tier import catalog
 from checkpointing.tier import collect, pins
 from checkpointing.format import naming
@@ -441,6 +443,28 @@ def test_incremental_false_reuses_nothing(tmp_path):
         assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == [step_dir_name(3), step_dir_name(4)]
         for s in (3, 4):
             restore_and_check(mgr, s, snaps)
+
+
+@pytest.mark.parametrize("name", ["incremental", "fsync", "direct_io"])
+def test_a_flag_that_is_not_a_bool_is_refused(tmp_path, name):
+    """incremental="false" (a flag read from an environment variable) would turn saving what changed on."""
+    with pytest.raises(CheckpointConfigError, match=f"{name}='false' is invalid: pass True"):
+        CheckpointManager(tmp_path / "ck", **{name: "false"})
+
+
+def test_a_step_directory_copied_alone_says_it_borrows_from_an_earlier_step(tmp_path, run_cli):
+    big, small = torch.randn(256, 1024), torch.zeros(10)
+    with CheckpointManager(tmp_path / "src", chunk_bytes=64 << 10) as mgr:
+        for step in (1, 2):
+            small += 1
+            mgr.save(step, {"big": big, "small": small}).wait()
+    shutil.copytree(tmp_path / "src" / naming.step_dir(2), tmp_path / "dst" / naming.step_dir(2))  # "archive the newest step"
+    hint = "step 2 borrows it from step 1's directory: an incremental save"
+    with pytest.raises(CheckpointCorruptError, match="the data file is missing") as info:
+        checkpointing.load(tmp_path / "dst")
+    assert hint in str(info.value) and "checkpointing export" in str(info.value)
+    code, out = run_cli("verify", str(tmp_path / "dst"))
+    assert code == 1 and out.count("file missing") == 1 and "'big'" in out and hint in " ".join(out.split()), out
 
 
 # ----------------------------------------------------------------------------- 3. metrics

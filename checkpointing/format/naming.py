@@ -49,6 +49,17 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def borrowed_hint(step: int, path: str) -> str:
+    """For an error about a missing file of `step`: when it lies in another step's directory (an
+    incremental save borrows chunks from earlier steps' files), what that means and how to fix it."""
+    owner = parse_step_dir(path.split("/", 1)[0])
+    if owner is None or owner == step:
+        return ""
+    return (f" (step {step} borrows it from step {owner}'s directory: an incremental save writes only what changed, so a "
+            "step's directory alone is not a whole checkpoint; copy the whole checkpoint directory, or make a "
+            "self-contained copy with `checkpointing export`)")
+
+
 def new_token() -> str:
     """A fresh name part per save attempt, so a retried step never overwrites a crashed one."""
     return secrets.token_hex(6)

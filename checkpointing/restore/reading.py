@@ -18,6 +18,7 @@ from typing import Mapping
 
 import torch
 
+from checkpointing.format import naming
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointCorruptError, CheckpointError
 from checkpointing.format.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry, chunk_digest
@@ -190,7 +191,7 @@ def _read_chunks(storage: Storage, step: int, entry: TensorEntry, chunks: tuple[
         try:
             storage.read_into(chunks[i].file, chunks[i].offset, view[pos : pos + length])
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where}: the data file is missing") from None
+            raise CheckpointCorruptError(f"{where}: the data file is missing{naming.borrowed_hint(step, chunks[i].file)}") from None
         except EOFError as exc:
             raise CheckpointCorruptError(f"{where}: truncated ({exc})") from None
         for c in chunks[i:j]:

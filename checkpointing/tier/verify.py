@@ -12,6 +12,7 @@ import dataclasses
 from checkpointing.tier import catalog
 from checkpointing.errors import CheckpointError
 from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.format import naming
 from checkpointing.format.manifest import ChunkHasher, ChunkRef, Manifest
 from checkpointing.storage import Storage
 
@@ -80,6 +81,7 @@ def verify_step(storage: Storage, step: int) -> StepReport:
     problems: list[str] = [p for p in missing_files(storage, manifest) if not p.endswith("missing or not a regular file")]
     checked = elsewhere = 0
     reader = _ChunkReader(storage)
+    gone: dict[str, set[str]] = {}  # a missing file -> the tensors with chunks in it: said once per file
     for entry in manifest.tensors:
         for shard in entry.shards:
             if here is None:
@@ -93,10 +95,14 @@ def verify_step(storage: Storage, step: int) -> StepReport:
                 for c in copy:
                     where = f"step {step}, tensor {entry.key!r}, {c.file} bytes {c.offset}..{c.offset + c.length}"
                     problem = reader.check(c)
-                    if problem:
+                    if problem == "file missing":
+                        gone.setdefault(c.file, set()).add(entry.key)
+                    elif problem:
                         problems.append(f"{where}: {problem}")
                     else:
                         checked += c.length
+    problems += [f"step {step}, {file}: file missing, with chunks of tensor(s) {', '.join(map(repr, sorted(keys)[:3]))}"
+                 f"{' and more' if len(keys) > 3 else ''}{naming.borrowed_hint(step, file)}" for file, keys in gone.items()]
     return StepReport(step, len(manifest.tensors), checked, tuple(problems), elsewhere)
 
 
