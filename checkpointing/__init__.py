@@ -2,7 +2,8 @@
 
     from checkpointing import CheckpointManager
     with CheckpointManager("/nvme/ckpt/run1", keep_local=2) as mgr:
-        start = (mgr.restore(state) or -1) + 1
+        last = mgr.restore(state)               # None: nothing saved yet
+        start = 0 if last is None else last + 1
         for step in range(start, steps):
             train_step()
             if step % 100 == 0:

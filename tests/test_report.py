@@ -246,7 +246,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, records, monkeypatch)
 def test_cli_plot_without_matplotlib_exits_2_naming_the_extra(run_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     code, out = cli(str(run_dir), "--plot", str(tmp_path / "x.png"))
-    assert code == 2 and "pip install 'checkpointing[plot]'" in out
+    assert code == 2 and "pip install 'tiered-checkpointing[plot]'" in out
 
 
 def cli(*argv: str) -> tuple[int, str]:

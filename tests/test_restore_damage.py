@@ -265,6 +265,30 @@ def test_the_loop_goes_on_after_restore_passed_over_a_damaged_step(tmp_path, how
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(check, check_opt).values(), _snapshot(fresh, fresh_opt).values()))
 
 
+@pytest.mark.parametrize("damage", ["deleted", "one bit flipped", "garbage"])
+def test_a_lost_or_damaged_tier_file_gets_its_id_back_from_the_committed_steps(tmp_path, damage, caplog, run_cli):
+    """A new random id would make every committed step there look like another node's: unreadable."""
+    root = tmp_path / "ck"
+    net, opt = _saved(root, (10, 20))
+    tier = root / "TIER"
+    original = tier.read_bytes()
+    if damage == "deleted":
+        tier.unlink()
+    elif damage == "one bit flipped":
+        tier.write_bytes(bytes([original[0] ^ 0x40]) + original[1:])  # '0'..'9' -> 'p'..'y', 'a'..'f' -> '!'..'&'
+    else:
+        tier.write_bytes(b"\x00garbage\xff")
+    fresh, fresh_opt = _model(2)
+    assert checkpointing.load(root)["model"]["0.weight"].shape == fresh[0].weight.shape  # readers: as holding every copy
+    with caplog.at_level(logging.WARNING, logger="checkpointing"), CheckpointManager(root) as mgr:  # the training job resuming
+        assert mgr.restore({"model": fresh, "optim": fresh_opt}) == 20
+        mgr.save(30, {"model": fresh, "optim": fresh_opt}).wait()
+    assert tier.read_bytes() == original and "which it gets again" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(fresh, fresh_opt).values(), _snapshot(net, opt).values()))
+    code, out = run_cli("verify", str(root))
+    assert code == 0 and "shard(s) live on other" not in out, out
+
+
 def test_committed_steps_this_tier_holds_no_data_of_are_an_error_not_a_fresh_start(tmp_path):
     """The steps' data files name another local tier (the directory's TIER id changed: a directory
     assembled from another node's): restore(step=None) must not answer None over committed steps."""

@@ -143,9 +143,14 @@ def test_options_are_validated_and_secrets_never_shown(tmp_path, s3_bucket):
         ({"keep_remote": 2}, "without a remote tier"),
         ({"storage_options": {"key": "k"}}, "without remote"),
         ({"remote": "nosuchscheme://x/y"}, "no filesystem"),
+        ({"remote": "file://tmp/x"}, r"relative path.*file:///absolute/path"),  # two slashes: would land under the cwd
     ]:
         with pytest.raises(CheckpointConfigError, match=text):
             CheckpointManager(tmp_path / "x", **{"storage_options": options if "remote" in kwargs else None, **kwargs})
+    typo = {("endpoint" if k == "endpoint_url" else k): v for k, v in options.items()}
+    with pytest.raises(CheckpointConfigError, match="'endpoint' \\(did you mean 'endpoint_url'\\?\\)") as info:
+        CheckpointManager(tmp_path / "t", remote=url, storage_options=typo)  # s3fs would fail later, inside botocore
+    assert SECRET not in str(info.value) and not (tmp_path / "t").exists()
     with pytest.raises(CheckpointConfigError, match="cannot use the remote tier") as info:
         CheckpointManager(tmp_path / "y", remote="s3://no-such-bucket-here/p", storage_options=options)
     assert SECRET not in str(info.value)

@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args, Console())
     try:
         return args.func(args, Console())
+    except BrokenPipeError:  # the reader stopped early (`| head`): no message; 1 as Python and rich exit on EPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe at exit
+        return 1
     except CommandFailed as exc:
         return fail(Console(stderr=True), str(exc), exc.code)
     except CheckpointError as exc:  # damage found while reading, an unreachable tier: messages carry no credentials

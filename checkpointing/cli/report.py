@@ -5,7 +5,7 @@ checkpointing/observe/summary.py; this module shows them: a rich table of saves 
 :func:`saves_table`: the columns that matter, fitted to the terminal by cli/tables.py, every
 recorded one with ``--wide``; an optional field gets a column only when some record has it; each
 column's unit in its header), a summary table (:func:`summary_table`), a PNG (:func:`plot`, needs
-the ``checkpointing[plot]`` extra), and the command (:func:`add_arguments`, :func:`run`).
+the ``tiered-checkpointing[plot]`` extra), and the command (:func:`add_arguments`, :func:`run`).
 Throughputs are shown as MB/s (1 MB = 1e6 B).
 """
 
@@ -145,13 +145,13 @@ def plot(records: Sequence[Record], out_png: str | os.PathLike, step_times: Sequ
     as spans in lanes below it. Records without a ``time`` are laid out back to back (step times
     then start at 0). Bottom: per save, a stacked bar of what the loop paid (wait_prev, stall,
     slowdown) beside one of the way to durability (snapshot, write, commit, upload); failed saves
-    have a red edge. Raises ImportError naming the ``checkpointing[plot]`` extra without matplotlib.
+    have a red edge. Raises ImportError naming the ``tiered-checkpointing[plot]`` extra without matplotlib.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'checkpointing[plot]'") from exc
+        raise ImportError("plotting needs matplotlib: pip install 'tiered-checkpointing[plot]'") from exc
     steps = [(float(s.begin_wall), float(s.seconds)) if hasattr(s, "begin_wall") else (float(s[0]), float(s[1]))
              for s in (step_times or ())]
     fig = Figure(figsize=(12, 7), dpi=100, layout="constrained")

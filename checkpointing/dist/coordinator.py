@@ -21,7 +21,7 @@ from checkpointing.format.manifest import CommittedStep
 from checkpointing.format.rank_reports import RankPart, merge_parts
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
-from checkpointing.tier.tierfile import ensure_tier_id
+from checkpointing.tier.identity import ensure_tier_id
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

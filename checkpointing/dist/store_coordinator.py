@@ -39,7 +39,7 @@ from checkpointing.format.manifest import CommittedStep, Manifest, encode_commit
 from checkpointing.format.rank_reports import RankPart, encode_part, merge_parts, part_from
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
-from checkpointing.tier.tierfile import ensure_tier_id
+from checkpointing.tier.identity import ensure_tier_id
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

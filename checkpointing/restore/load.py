@@ -32,11 +32,11 @@ log = logging.getLogger("checkpointing")
 def load(
     path_or_url: str | os.PathLike,
     step: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     *,
     keys: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     rank: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
     codecs: Iterable[Codec] = (),
 ) -> dict[str, Any]:
     """Step `step` (default: the newest committed) of the checkpoint at `path_or_url` as a nested dict.

@@ -17,7 +17,9 @@ instead of fsspec's loop shared with every other async filesystem in the process
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, TypeVar
@@ -168,6 +170,11 @@ def open_endpoint(url: str, protocol: str, shown: str, storage_options: Mapping[
         raise CheckpointConfigError(
             f"no filesystem for {protocol}:// ({exc}); install its fsspec package"
         ) from None
+    if protocol in LOCAL_PROTOCOLS and not url.partition("://")[2].startswith("/"):
+        raise CheckpointConfigError(f"{shown!r} names a relative path, which would lie under the current directory: "
+                                    f"use file:///absolute/path (three slashes)")
+    if protocol in S3_PROTOCOLS:
+        _check_s3_options(cls, shown, storage_options or {})
     options = _default_options(protocol, max_concurrency, storage_options or {})
     options.update({k: v for k, v in cls._get_kwargs_from_urls(url).items() if k not in options})
     retrying = Retrying(retry, secrets)
@@ -198,6 +205,29 @@ async def _close_session(fs: Any) -> None:
     creator = getattr(fs, "_s3creator", None)
     if creator is not None:
         await creator.__aexit__(None, None, None)
+
+
+def _check_s3_options(cls: Any, shown: str, options: Mapping[str, Any]) -> None:
+    """A storage_options key s3fs would hand on to the botocore session fails at the first request, as a
+    TypeError from inside s3fs: refuse it here, naming it (never a value) and what it may mean."""
+    known = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache", "batch_size"}
+    for fn in (cls.__init__, _session_init()):
+        known |= {p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD and p.name != "self"}
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        hints = "; ".join(f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown)
+        raise CheckpointConfigError(f"cannot open {shown}: storage_options has key(s) s3fs does not take: {hints}. "
+                                    "It takes e.g. endpoint_url, key, secret, token, anon, client_kwargs, config_kwargs")
+
+
+def _session_init() -> Any:
+    """The botocore session's constructor, which s3fs hands its other keyword arguments to."""
+    try:
+        from aiobotocore.session import AioSession
+    except ImportError:  # an s3fs of another make: nothing more is known
+        return lambda: None
+    return AioSession.__init__
 
 
 def _default_options(protocol: str, max_concurrency: int, user: Mapping[str, Any]) -> dict[str, Any]:

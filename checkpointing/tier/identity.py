@@ -1,0 +1,80 @@
+"""A writing manager's local tier id at start-up (I/O): the TIER file's; when that file was lost or
+damaged, the id the committed steps' files there were written under; else a new one.
+
+The id decides which shards a rank reads from its own disk (a manifest names each file's tier). A
+new random id for a directory whose TIER file was deleted, or had a bit flipped, would make every
+step committed there look like another node's: unreadable locally, and "verified" as living
+elsewhere. So the id is recovered first: from the newest committed steps, the ids of the files
+present there with their sizes; exactly one id among them is this directory's. Ranks of one tier
+that race here recover the same id, and one exclusive create wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from checkpointing.errors import CheckpointError
+from checkpointing.storage import Storage
+from checkpointing.tier import catalog
+from checkpointing.tier.opening import ReadOnlyLocalStorage
+from checkpointing.tier.tierfile import TIER_FILE, read_tier_id
+
+log = logging.getLogger("checkpointing")
+
+LOOK_AT = 3  # newest committed steps whose files are looked at
+
+
+def ensure_tier_id(storage: Storage) -> str:
+    """The tier's id, created first when it has none. A tier opened read-only (opening.py) gets none
+    created: "" (read as holding every primary copy)."""
+    found = read_tier_id(storage)
+    if found is not None:
+        return found
+    if isinstance(storage, ReadOnlyLocalStorage):
+        return ""
+    damaged = _exists(storage)
+    recovered = _from_committed_steps(storage)
+    if damaged:
+        if recovered is None:
+            raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id, and no committed step there "
+                                  "names one: remove it (the directory then gets a new id)")
+        storage.delete(TIER_FILE)
+    if recovered is not None:
+        log.warning("checkpointing: %s/%s was %s; the committed steps' files there name the id %s, which it gets again",
+                    storage.url, TIER_FILE, "damaged" if damaged else "missing", recovered)
+    try:
+        storage.put(TIER_FILE, (recovered or secrets.token_hex(8)).encode("ascii"), exclusive=True)
+    except FileExistsError:  # another rank on this tier created it first
+        pass
+    found = read_tier_id(storage)
+    if found is None:  # a link there (never followed), or not an id
+        raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id: remove it")
+    return found
+
+
+def _exists(storage: Storage) -> bool:
+    try:
+        storage.size(TIER_FILE)
+    except FileNotFoundError:
+        return False
+    except (OSError, CheckpointError):
+        return True
+    return True
+
+
+def _from_committed_steps(storage: Storage) -> str | None:
+    """The one tier id the newest committed steps' files present here (with their sizes) were written under."""
+    try:
+        steps = catalog.list_steps(storage).committed[-LOOK_AT:]
+    except (OSError, CheckpointError):
+        return None
+    for step in reversed(steps):
+        try:
+            manifest, _ = catalog.committed_manifest(storage, step)
+        except (OSError, CheckpointError):
+            continue
+        ids = {f.tier for f in manifest.files if f.tier and storage.exists_with_size(f.path, f.nbytes)}
+        if len(ids) == 1:
+            return ids.pop()
+    return None
