@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import hostile
+import checkpointing
 from checkpointing import CheckpointError, CheckpointManager
 from checkpointing.cli.app import main
 
@@ -162,3 +163,24 @@ def test_verify_checks_the_file_table_sizes_as_inspect_does(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "9223372036854775808" in out and "bytes, expected" in out
     assert main(["inspect", str(root), "--step", str(hostile.STEP)]) == 1
+
+
+def test_load_of_a_whole_tensor_declared_larger_than_memory_is_a_clear_error(good, tmp_path):
+    """Consistent on its face (the chunks tile the shape, the file table agrees): load() allocates
+    fresh tensors, and 4 TiB is refused as a problem naming the key, not a raw allocator error."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(good, root, symlinks=True)
+    doc = hostile.load_manifest(root)
+    entry = next(t for t in doc["tensors"] if t["key"] == "model/w")
+    n = 1 << 40  # float32 elements: 4 TiB
+    pack = entry["shards"][0]["chunks"][0][0]
+    entry["shape"] = entry["shards"][0]["shape"] = [n]
+    entry["shards"][0]["offsets"] = [0]
+    entry["shards"][0]["chunks"] = [[pack, i * n, n, "xxh3-128:" + "0" * 32] for i in range(4)]
+    for f in doc["files"]:
+        if f[0] == pack:
+            f[3] = f[4] = 4 * n
+    hostile.write_manifest(root, doc)
+    with pytest.raises(CheckpointError, match="model/w: saved as float32.*cannot be allocated here"):
+        checkpointing.load(root, step=hostile.STEP)
+

@@ -181,7 +181,12 @@ class _Planner:
                 "torch.distributed.checkpoint.state_dict.get_state_dict does) so it can be read in its sharding",
             )
             return None
-        fresh = torch.empty(entry.shape, dtype=dtype)
+        try:
+            fresh = torch.empty(entry.shape, dtype=dtype)
+        except RuntimeError as exc:  # a manifest declaring more than this machine holds (damaged, or hostile)
+            self.problem(path, f"saved as {entry.dtype}{list(entry.shape)}: {entry.nbytes} bytes cannot be allocated "
+                               f"here ({str(exc).splitlines()[0][:120]}): leave it out (exclude=), or read it on a larger machine")
+            return None
         self.reads.append(ReadBox(entry, fresh, *full))
         return fresh.numpy() if as_numpy else fresh
 
