@@ -98,8 +98,10 @@ class CheckpointUploadError(CheckpointSaveError):
         CheckpointError.__init__(
             self,
             f"upload of step {step} to the remote tier {remote} failed: {reason}. Step {step} is committed on the "
-            "local tier and restorable from there; the next save uploads its own step again, and a manager started "
-            "on this directory resumes the upload of newer local steps.",
+            "local tier and restorable from there. In a job of one process the next save tries this upload again "
+            "first (until then local retention keeps the step); with several ranks the next save uploads its own "
+            "step only. A manager started on this directory resumes the upload of local steps newer than the "
+            "newest remote one.",
         )
 
 

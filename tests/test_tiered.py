@@ -225,8 +225,27 @@ def test_an_upload_error_surfaces_at_the_next_save_or_wait(tmp_path, s3_bucket):
         proxy.faults.clear()
         with pytest.raises(CheckpointUploadError, match="step 3"):
             mgr.wait()
+        mgr.save(5, state(5)).wait()  # the failed uploads of 1, 2 and 3 are tried again first (one process)
+        mgr.wait()
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "local+remote", 5: "local+remote"}  # keep_local=2; 4 was never saved
+
+
+def test_local_retention_keeps_a_step_whose_upload_failed_until_it_is_uploaded(tmp_path, s3_bucket):
+    """docs/design.md: the only copy of a step is never deleted before it is durable elsewhere."""
+    with manager(tmp_path / "local", s3_bucket) as mgr:  # keep_local=2, every step kept remotely
+        mgr.save(1, state(1)).wait()
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1))
+        with pytest.raises(CheckpointUploadError, match="tries this upload again"):
+            mgr.save(2, state(2)).wait()
+        for step in (3, 4):
+            with pytest.raises(CheckpointUploadError, match=f"step {step}"):
+                mgr.save(step, state(step)).wait()
+        assert mgr.tiers() == {1: "remote", 2: "local", 3: "local", 4: "local"}  # keep_local=2 keeps more: their only copies
+        proxy.faults.clear()
         mgr.save(5, state(5)).wait()
-        assert mgr.tiers() == {3: "local", 5: "local+remote"}  # keep_local=2; 4 was never saved
+        mgr.wait()
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote", 4: "local+remote", 5: "local+remote"}
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3, 4, 5]
 
 
 def test_a_crash_between_data_and_commit_resumes_when_the_manager_starts_again(tmp_path, s3_bucket, caplog):

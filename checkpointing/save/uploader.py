@@ -54,12 +54,13 @@ log = logging.getLogger("checkpointing")
 
 
 class PendingUploads:
-    """The steps whose upload is queued or running (thread-safe): the uploader adds and removes
-    them; retention on either tier never deletes them."""
+    """The steps whose upload is queued or running, or failed and is to be tried again (thread-safe):
+    the uploader adds and removes them; retention on either tier never deletes them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: list[UploadJob] = []
+        self.failed: dict[int, UploadJob] = {}  # step -> its failed upload, tried again with the next one (one rank)
 
     def add(self, job: UploadJob) -> None:
         with self._lock:
@@ -71,7 +72,16 @@ class PendingUploads:
 
     def steps(self) -> set[int]:
         with self._lock:
-            return {j.step for j in self._jobs}
+            return {j.step for j in self._jobs} | set(self.failed)
+
+    def fail(self, job: UploadJob) -> None:
+        with self._lock:
+            self.failed[job.step] = job
+
+    def take_failed(self) -> list[UploadJob]:
+        with self._lock:
+            jobs, self.failed = sorted(self.failed.values(), key=lambda j: j.step), {}
+            return jobs
 
 
 class Uploader:
@@ -89,6 +99,7 @@ class Uploader:
         on_finish: Callable[[UploadJob], None],
         pending: PendingUploads,
         cpu: CpuYield | None = None,
+        retry_failed: bool = False,
     ) -> None:
         self.local, self.remote, self.committer = local, remote, committer
         self._cpu = cpu if cpu is not None and cpu.enabled else None
@@ -96,6 +107,7 @@ class Uploader:
             remote.on_io_thread(self._cpu.enter)  # the loop's thread, and the pools' threads as they start
         self.rank, self.keep_remote, self.on_finish = rank, keep_remote, on_finish
         self.pending = pending
+        self._retry_failed = retry_failed  # one rank: a failed upload is tried again before the next one
         self._lock = threading.Lock()
         self._seq = 0
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
@@ -104,6 +116,13 @@ class Uploader:
         self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
+        for failed in self.pending.take_failed() if self._retry_failed else ():
+            if failed.step in catalog.list_steps(self.local).committed:  # not deleted since
+                log.warning("checkpointing: trying the failed upload of step %d to %s again", failed.step, self.remote.url)
+                self._submit(UploadJob(failed.step, committed=failed.committed, t_local=failed.t_local))
+        self._submit(job)
+
+    def _submit(self, job: UploadJob) -> None:
         with self._lock:
             job.seq = self._seq
             self._seq += 1
@@ -147,6 +166,8 @@ class Uploader:
             self._base = (job.step, job.committed.digest, frozenset(f.path for f in job.committed.files))
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
+        if job.error is not None and self._retry_failed:
+            self.pending.fail(job)  # its only copy stays (local retention) until it is tried again
         pins.remove_pin(self.remote, job.pin)
         job.t_done = time.perf_counter()
         if job.error is None and self.rank == 0:
@@ -229,7 +250,7 @@ def start_uploader(
     except (OSError, CheckpointError) as exc:
         raise CheckpointConfigError(f"cannot use the remote tier {remote.url}: {exc}") from None
     uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending,
-                        cpu=CpuYield(yield_s))
+                        cpu=CpuYield(yield_s), retry_failed=coord.world_size == 1)
     uploader.saw_remote(added=set(listing.committed))
     mine = resume_offers(local, listing.committed)
     stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
