@@ -167,6 +167,19 @@ def test_report_on_a_real_runs_metrics(saved, run, tmp_path):
     assert run("report", str(tmp_path / "nothing-here"))[0] == 2
 
 
+def test_report_on_the_remote_tier_reads_rank_zeros_copy_of_the_metrics(saved, run, tmp_path):
+    """ARCHITECTURE.md: report works on any tier URL; the uploads keep a copy of metrics.jsonl there."""
+    local, url, options = saved
+    code, out = run("report", url, *opts(options), "--json")
+    assert code == 0, out
+    assert [s["step"] for s in json.loads(out)["saves"]] == [1, 2, 3] and SECRET not in out
+    code, out = run("report", str(local), "-o", "key=k")
+    assert code == 2 and "applies to URLs" in out, out
+    empty = url.rsplit("/", 1)[0] + "/nothing-saved-here"
+    code, out = run("report", empty, *opts(options))
+    assert code == 2 and "no save metrics recorded" in out, out
+
+
 def test_the_console_script_entry_runs_report(saved):
     local, _, _ = saved
     r = subprocess.run([sys.executable, "-m", "checkpointing", "report", str(local)], env=child_env(),

@@ -26,6 +26,7 @@ from rich.errors import MarkupError
 
 from checkpointing.cli import commands, convert, report
 from checkpointing.cli.fmt import USAGE, CommandFailed, fail
+from checkpointing.cli.targets import add_target
 from checkpointing.errors import CheckpointCorruptError, CheckpointError
 
 INTERNAL = 3  # the exit code of a bug in this library (not of the checkpoint)
@@ -49,14 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="checkpointing", description="Inspect, verify and tidy checkpoints on any tier.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    target = "checkpoint directory, or a tier URL (s3://bucket/prefix, file:///path, ...)"
 
     def tier_parser(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        p.add_argument("dir", metavar="TARGET", help=target)
-        p.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", default=[],
-                       help="fsspec storage option for a URL (repeatable; e.g. endpoint_url=http://127.0.0.1:9000); "
-                            "credentials may come from the environment instead")
+        add_target(p)
         return p
 
     p = tier_parser("ls", "list steps with size and state")
@@ -91,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="commit a DCP, torch.save, safetensors or Hugging Face checkpoint as one step")
     convert.import_arguments(p)
     p.set_defaults(func=convert.run_import)
-    p = sub.add_parser("report", help="stall-time table (and --plot) from a directory's metrics.jsonl")
+    p = sub.add_parser("report", help="stall-time table (and --plot) from a tier's metrics.jsonl (a remote tier holds rank 0's copy)")
     report.add_arguments(p)
     p.set_defaults(func=report.run)
     return parser

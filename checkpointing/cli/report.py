@@ -16,15 +16,17 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.text import Text
 
 from checkpointing.cli import fmt, tables
+from checkpointing.cli.targets import add_target, open_target
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.format.naming import METRICS_NAME
+from checkpointing.observe.metrics import MAX_METRICS_BYTES, parse_jsonl
 from checkpointing.observe.summary import Record, Summary, load_records, number, recorded, succeeded, summarize, to_json
 
 if TYPE_CHECKING:
@@ -249,7 +251,7 @@ def _draw_phase_bars(ax: Axes, records: Sequence[Record]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``checkpointing report``: ``DIR [--json] [--plot PNG] [--mtbf HOURS] [--last N] [--wide]``."""
-    parser.add_argument("dir", help="checkpoint directory holding metrics.jsonl (or the file itself)")
+    add_target(parser)  # a directory, its metrics.jsonl, or a tier URL
     parser.add_argument("--json", action="store_true", help="machine-readable output (schema checkpointing.report/1)")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also draw a timeline and phase chart to this PNG")
     parser.add_argument("--mtbf", metavar="HOURS", type=float, default=None,
@@ -258,10 +260,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wide", action="store_true", help="every recorded column (each phase, throughputs, reused bytes), however wide")
 
 
+def _records(target: str, option_pairs: list[str]) -> list[dict[str, Any]]:
+    """The records of a directory, a metrics file or a file:// URL (read locally), or of another tier URL:
+    the copy of rank 0's metrics.jsonl its uploads keep there (save/uploader.py)."""
+    if "://" not in target or target.startswith("file://"):
+        if option_pairs:
+            raise CheckpointConfigError("--storage-option applies to URLs (s3://bucket/prefix), not to a directory")
+        return load_records(target)
+    storage = open_target(target, option_pairs)
+    try:
+        data = storage.get(METRICS_NAME, max_bytes=MAX_METRICS_BYTES)
+    except FileNotFoundError:
+        return []
+    return [r for r in parse_jsonl(data) if isinstance(r, dict)]
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     """Run ``checkpointing report``. Exit codes: 0 fine, 2 bad usage or nothing to show."""
     try:
-        records = load_records(args.dir)
+        records = _records(args.dir, args.storage_option)
         if args.last is not None:
             if args.last < 1:
                 return fmt.fail(console, f"--last must be >= 1, got {args.last}")

@@ -8,6 +8,7 @@ printed: a URL shown in an error is redacted. Every failure here raises fmt.Comm
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,6 +17,14 @@ from checkpointing.errors import CheckpointError
 from checkpointing.storage import LocalStorage, Storage, open_storage
 from checkpointing.storage.redact import redact_url
 from checkpointing.tier import catalog
+
+
+def add_target(parser: argparse.ArgumentParser) -> None:
+    """A command's TARGET and its --storage-option values."""
+    parser.add_argument("dir", metavar="TARGET", help="checkpoint directory, or a tier URL (s3://bucket/prefix, file:///path, ...)")
+    parser.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", default=[],
+                        help="fsspec storage option for a URL (repeatable; e.g. endpoint_url=http://127.0.0.1:9000); "
+                             "credentials may come from the environment instead")
 
 
 def open_target(target: str, option_pairs: Sequence[str] = ()) -> Storage:

@@ -127,6 +127,9 @@ class SaveStats:
 _FIELDS = tuple(f.name for f in dataclasses.fields(SaveStats))
 
 
+MAX_METRICS_BYTES = 256 << 20  # a metrics file copied to or read from a remote tier at most
+
+
 def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> None:
     """Append one record as a JSON line (one write: lines of ranks sharing the file do not interleave)."""
     record = stats.as_dict() if isinstance(stats, SaveStats) else stats
@@ -171,19 +174,37 @@ def last_recorded_step(path: os.PathLike | str, rank: int, *, tail_bytes: int = 
 
 
 def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:
-    out = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except ValueError:
-                        continue  # a line torn by a crash
+        with open(path, "rb") as f:
+            return parse_jsonl(f.read())
     except FileNotFoundError:
-        pass
+        return []
+
+
+def parse_jsonl(data: bytes) -> list[Any]:
+    """The JSON value of each line (a line torn by a crash, or not JSON, is skipped)."""
+    out = []
+    for line in data.splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
     return out
+
+
+def metrics_bytes(path: os.PathLike | str) -> bytes | None:
+    """The metrics file's bytes (None: none there, a link, not a regular file, or over MAX_METRICS_BYTES)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METRICS_BYTES:
+            return None
+        return f.read()
 
 
 def log_save(stats: SaveStats, where: str) -> None:

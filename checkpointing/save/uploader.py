@@ -47,6 +47,7 @@ from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format.manifest import CommittedStep
 from checkpointing.plan.resume import ResumeOffer, resume_plan
 from checkpointing.plan.retention import RetentionPolicy
+from checkpointing.observe.metrics import metrics_bytes
 from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
 
@@ -113,6 +114,7 @@ class Uploader:
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
         self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
         self._closing = False  # close() waits for what is queued: nothing is lowered from then on
+        self._uploaded = False  # an upload of this process succeeded: the remote tier is worth a metrics copy at close
         self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
@@ -146,6 +148,8 @@ class Uploader:
         if self._cpu is not None:
             self._cpu.close()  # what is still queued runs at normal priority: close() waits for it
         self._thread.close()
+        if self._uploaded:
+            self._mirror_metrics()  # with the records close() made final
         self.committer.close()
 
     def _run(self, job: UploadJob) -> None:
@@ -175,8 +179,24 @@ class Uploader:
         self.pending.remove(job)
         try:
             self.on_finish(job)
+            if job.error is None:
+                self._uploaded = True
+                self._mirror_metrics()
         finally:
             job.done.set()
+
+    def _mirror_metrics(self) -> None:
+        """Rank 0: the local tier's metrics.jsonl to the remote tier, for `checkpointing report URL` (best
+        effort: it lags the local file by the records not yet final)."""
+        if self.rank != 0:
+            return
+        data = metrics_bytes(Path(self.local.root, naming.METRICS_NAME))
+        if not data:
+            return
+        try:
+            self.remote.put(naming.METRICS_NAME, data)
+        except (OSError, CheckpointError) as exc:
+            log.warning("checkpointing: could not copy %s to %s: %s", naming.METRICS_NAME, self.remote.url, exc)
 
     def _upload_own(self, job: UploadJob) -> None:
         """Send this rank's files of the step. Files of earlier steps (an incremental save's) that
