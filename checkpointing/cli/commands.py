@@ -27,7 +27,7 @@ from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.format.step_sizes import step_usage
 from checkpointing.plan.retention import tier_states
-from checkpointing.storage import LocalStorage, Storage
+from checkpointing.storage import FsspecStorage, LocalStorage, Storage
 from checkpointing.tier import catalog, collect, pins
 from checkpointing.tier import lock as writer_lock
 from checkpointing.tier.tierfile import read_tier_id
@@ -272,15 +272,31 @@ def gc(args: argparse.Namespace, console: Console) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for g in result.garbage:
         console.print(f"{verb} {g.path} ({fmt.size(g.nbytes)}): {g.reason}", markup=False, highlight=False)
+    stale = _stale_uploads(storage, args.min_age_s, abort=not args.dry_run)
+    for path, age in stale:
+        console.print(f"{'would abort' if args.dry_run else 'aborted'} the unfinished multipart upload of {path} "
+                      f"(started {age / 3600:.1f} h ago)", markup=False, highlight=False)
     total_size = fmt.size(sum(g.nbytes for g in result.garbage))
-    if not result.garbage:
+    if not result.garbage and not stale:
         younger = f" older than --min-age-s {args.min_age_s:g} s (younger objects may be a save's in flight)" if args.min_age_s > 0 else ""
         console.print(f"nothing unreferenced{younger} in {escape(storage.url)}")
+    elif not result.garbage:
+        console.print(f"{len(stale)} unfinished upload(s)" + (": run without --dry-run to abort them" if args.dry_run else " aborted"))
     elif args.dry_run:
         console.print(f"{len(result.garbage)} unreferenced object(s), {total_size}: run without --dry-run to remove them")
     else:
         console.print(f"removed {len(result.garbage)} unreferenced object(s), {total_size}")
     return 0
+
+
+def _stale_uploads(storage: Storage, min_age_s: float, *, abort: bool) -> list[tuple[str, float]]:
+    """S3: multipart uploads older than `min_age_s` that never finished (their parts cost storage); aborted unless a dry run."""
+    if not isinstance(storage, FsspecStorage):
+        return []
+    found = storage.stale_uploads(min_age_s)
+    for path, upload_id, _ in found if abort else ():
+        storage.abort_upload(path, upload_id)
+    return [(path, age) for path, _, age in found]
 
 
 def _has_lock_file(storage: object) -> bool:

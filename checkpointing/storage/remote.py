@@ -31,6 +31,7 @@ import inspect
 import dataclasses
 import os
 import threading
+import time
 from concurrent.futures import wait
 from typing import Any, Callable, Mapping
 
@@ -333,6 +334,33 @@ class FsspecStorage:
         except OSError:  # not empty (any more), or gone
             return
         ep.sync_parent(full)
+
+    def stale_uploads(self, older_than_s: float) -> list[tuple[str, str, float]]:
+        """S3: the multipart uploads below this prefix started more than `older_than_s` seconds ago and
+        neither completed nor aborted (a process whose abort failed, or was killed): (path, upload id,
+        age in seconds). They hold storage the listing of objects does not show. Elsewhere: none."""
+        if not self.is_s3:
+            return []
+        ep, out = self.endpoint, []
+        prefix = f"{ep.prefix}/" if ep.prefix else ""
+        markers: dict[str, str] = {}
+        while True:
+            page = ep.s3("list multipart uploads", "", "list_multipart_uploads", Prefix=prefix, **markers)
+            now = time.time()
+            for up in page.get("Uploads", []):
+                age = now - up["Initiated"].timestamp()
+                if age >= older_than_s:
+                    out.append((up["Key"][len(prefix):], up["UploadId"], age))
+            if not page.get("IsTruncated"):
+                return out
+            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        """S3: abort the multipart upload `upload_id` of `path` (its parts are freed)."""
+        try:
+            self.endpoint.s3("abort upload", path, "abort_multipart_upload", Key=self.endpoint.key(path), UploadId=upload_id)
+        except FileNotFoundError:  # completed or aborted meanwhile
+            pass
 
     # ------------------------------------------------------------ whole local files (the upload pipeline)
 
