@@ -99,6 +99,21 @@ def test_load_errors_say_what_and_how(saved, tmp_path):
         checkpointing.load(root, keys=[3])
 
 
+def test_load_passes_over_a_newest_step_whose_data_is_damaged_as_restore_does(tmp_path, caplog):
+    root = tmp_path / "ck"
+    with CheckpointManager(root, keep_local=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": torch.full((1000,), float(s))}).wait()
+    for s in (2, 3):
+        flip_bits(next((root / f"step-{s:010d}").glob("r*.pack")), 10)
+    assert torch.equal(checkpointing.load(root)["w"], torch.full((1000,), 1.0))
+    assert "passes over step 3" in caplog.text and "passes over step 2" in caplog.text
+    with pytest.raises(CheckpointCorruptError, match="step 3, tensor 'w'.*damaged"):  # a step asked for by name: its damage
+        checkpointing.load(root, step=3)
+    with pytest.raises(CheckpointConfigError, match="storage_options"):  # positional, as ARCHITECTURE.md writes it
+        checkpointing.load(root, None, {"key": "x"})
+
+
 def test_per_rank_values_need_a_rank(tmp_path):
     ck = str(tmp_path / "ck")
     run_ranks(_dist.per_rank_state, 2, ck, "save-sharded", tmp=tmp_path)

@@ -54,13 +54,26 @@ def load(
     committed = catalog.list_steps(storage).committed
     if not committed:
         raise CheckpointNotFoundError(f"{storage.url} holds no committed step")
-    if step is None:
-        manifest = _newest_readable(storage, committed)
-        step = manifest.step
-    elif step not in committed:
-        raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {_listing(committed)})")
-    else:
-        manifest = catalog.load_manifest(storage, step)
+    if step is not None:
+        if step not in committed:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {_listing(committed)})")
+        return _read(storage, catalog.load_manifest(storage, step), keys, exclude, rank, codecs)
+    newer: list[int] = []
+    while True:  # the newest step that reads clean: one whose data is damaged is passed over, as restore() does
+        manifest = _newest_readable(storage, [s for s in committed if not newer or s < newer[-1]])
+        try:
+            return _read(storage, manifest, keys, exclude, rank, codecs)
+        except CheckpointCorruptError as exc:
+            if not any(s < manifest.step for s in committed):
+                raise
+            log.warning("checkpointing: load() passes over step %d of %s, its data is damaged: %s", manifest.step, storage.url, exc)
+            newer.append(manifest.step)
+
+
+def _read(storage: Storage, manifest: Manifest, keys: str | Iterable[str] | None, exclude: str | Iterable[str] | None,
+          rank: int | None, codecs: Iterable[Codec]) -> dict[str, Any]:
+    """The selected part of the step `manifest` describes, read and verified."""
+    step = manifest.step
     if rank is not None and not 0 <= rank < manifest.world_size:
         raise CheckpointConfigError(f"rank={rank}: step {step} was saved by {manifest.world_size} rank(s) (0..{manifest.world_size - 1})")
     select = Selection.of(True, keys, exclude, take_all=True)
