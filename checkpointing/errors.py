@@ -134,20 +134,20 @@ class CheckpointCorruptError(CheckpointError):
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the target state: every problem is listed at once."""
 
-    def __init__(self, step: int, problems: list[str], *, load: bool = False) -> None:
+    def __init__(self, step: int, problems: list[str], *, load: bool = False, fix: str | None = None) -> None:
         self.step = step
         self.problems = list(problems)
         lines = "\n  - ".join(problem_lines(self.problems))
         if load:  # checkpointing.load(): no target, only the selection and rank asked for
-            head, fix = "cannot be read as load() was asked", (
+            head, fix_default = "cannot be read as load() was asked", (
                 "Name what to read with keys=[...] / exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'), "
                 "and rank=r for values each rank saved for itself; `checkpointing inspect PATH` lists what the step holds.")
         else:
-            head, fix = "does not match the state passed to restore", (
+            head, fix_default = "does not match the state passed to restore", (
                 "Pass the same kinds of objects that were saved, or name what to restore: "
                 "restore(..., only=[...]) or exclude=[...] (glob patterns over the keys above: 'model', 'optim/*'; "
                 "checkpointing.load(path, keys=...) / exclude=... the same); checkpointing.load(path) shows what the step holds.")
-        super().__init__(f"checkpoint step {step} {head} ({len(self.problems)} problem(s)):\n  - {lines}\n{fix}")
+        super().__init__(f"checkpoint step {step} {head} ({len(self.problems)} problem(s)):\n  - {lines}\n{fix or fix_default}")
 
 
 _RUN_MIN = 4  # sibling keys with one message shown as one line from this many on

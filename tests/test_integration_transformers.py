@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import checkpointing  # noqa: E402
-from checkpointing import CheckpointError, CheckpointManager, CheckpointNotFoundError  # noqa: E402
+from checkpointing import CheckpointError, CheckpointManager, CheckpointMismatchError, CheckpointNotFoundError  # noqa: E402
 from checkpointing.format import naming  # noqa: E402
 from checkpointing.integrations import _hf_markers as markers  # noqa: E402
 from checkpointing.integrations import transformers as ckpt_hf  # noqa: E402
@@ -216,6 +216,20 @@ def test_resume_from_an_explicit_older_folder_replaces_newer_steps(interrupted: 
     after = checkpointing.load(out / "checkpointing", 8)
     assert after["trainer"]["state_json"] == (out / "checkpoint-8" / "trainer_state.json").read_text()
     assert after["trainer"]["state_json"] != before  # step 8 was saved again (its log history says so)
+
+
+def test_resuming_with_another_optimizer_says_how_to_start_from_the_weights(interrupted: Path, tmp_path: Path) -> None:
+    """The Trainer cannot leave the optimizer out of a resume: the error says what works instead, and it does."""
+    out = copy_of(interrupted, tmp_path)
+    trainer = make(out, optim="sgd")
+    with pytest.raises(CheckpointMismatchError, match="The Trainer resumes the optimizer and scheduler it saved") as info:
+        trainer.train(resume_from_checkpoint=True)
+    assert "SGD" in str(info.value) and "without resume_from_checkpoint" in str(info.value), info.value
+    fresh = make(tmp_path / "fresh", optim="sgd", max_steps=1)
+    fresh.model.load_state_dict(checkpointing.load(out / "checkpointing", step=8, keys="model")["model"])  # as the error says
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
+                                                 checkpointing.load(out / "checkpointing", 8)["model"].values()))
+    fresh.train()
 
 
 @pytest.mark.parametrize("crash", ["commit marker lost", "step gone"])

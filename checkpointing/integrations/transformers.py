@@ -56,7 +56,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from checkpointing.errors import CheckpointConfigError, CheckpointNotFoundError
+from checkpointing.errors import CheckpointConfigError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpointing.integrations import _hf_markers as markers
 from checkpointing.integrations._hf_retention import SaveTotalLimit
 from checkpointing.integrations._hf_store import TrainerCheckpoints
@@ -195,7 +195,14 @@ class CheckpointingMixin:
         if "scheduler" in source.contents and self.lr_scheduler is not None:  # type: ignore[attr-defined]
             parts["scheduler"] = self.lr_scheduler  # type: ignore[attr-defined]
         if parts:
-            self.checkpoints.restore(source, parts)
+            try:
+                self.checkpoints.restore(source, parts)
+            except CheckpointMismatchError as exc:  # the Trainer has no way to leave the optimizer out
+                raise CheckpointMismatchError(exc.step, exc.problems, fix=(
+                    f"The Trainer resumes the optimizer and scheduler it saved in {checkpoint}: resume with the same optimizer "
+                    "(class and parameter groups), or start a new run from these weights: "
+                    f"model.load_state_dict(checkpointing.load({str(self.checkpoints.root)!r}, step={exc.step}, keys='model')['model']), "
+                    "then train() without resume_from_checkpoint.")) from None
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
