@@ -195,10 +195,11 @@ def committed_steps(path: str) -> list[int]:
 # ----------------------------------------------------------------------------- node loss (stage 3)
 
 
-def save_steps(rank: int, world: int, base: str, per_node: int, steps: list[int], remote: tuple[str, dict] | None = None) -> str:
+def save_steps(rank: int, world: int, base: str, per_node: int, steps: list[int], remote: tuple[str, dict] | None = None,
+               keep_local: int | None = None) -> str:
     """Save `steps` with one peer copy each (and a remote tier when given); wait until durable everywhere."""
     kwargs: dict[str, Any] = {} if remote is None else {"remote": remote[0], "storage_options": remote[1], "upload_part_bytes": 5 << 20}
-    with manager(base, rank, per_node, keep_local=None, **kwargs) as mgr:
+    with manager(base, rank, per_node, keep_local=keep_local, **kwargs) as mgr:
         for step in steps:
             mgr.save(step, state(rank, step, rank // per_node)).wait()
         return repr(mgr.tiers())

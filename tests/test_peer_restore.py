@@ -49,9 +49,13 @@ def test_a_lost_node_restores_bit_exactly_from_its_peer_without_a_remote_tier(tm
             assert "peer copy" not in line, line  # the others read their own disks
         # every rank lists the step it restored (the replaced node: its fetched-back copy); the lost disk held the others' copies
         assert r["tiers"] == ({1: "local", 2: "local"} if rank // per_node != lost else {2: "local"}), (rank, r["tiers"])
-    # the next save's copies replace the replaced node's old tier everywhere (on its peer, and its fetched-back copy)
+    # keep_local=None: the old tier's steps stay restorable beside the new tier's (on its peer, and its fetched-back copy)
     new = _tier(tmp_path, lost)
     assert new != old
+    assert sorted(p.name for p in (tmp_path / "node0" / "peers").iterdir()) == sorted([new, old])
+    assert catalog.list_steps(LocalStorage(tmp_path / f"node{lost}" / "peers" / old, create=False)).committed == [2]
+    # keep_local=2: the old tier's steps go once the new tier holds the two newest, everywhere
+    run_ranks(_peer.save_steps, world, str(tmp_path), per_node, [4], None, 2, tmp=tmp_path)
     assert sorted(p.name for p in (tmp_path / "node0" / "peers").iterdir()) == [new]
     assert not (tmp_path / f"node{lost}" / "peers" / old).exists()
 

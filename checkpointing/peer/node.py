@@ -158,7 +158,7 @@ class Peers:
         this node holds no copies for any more (older than this step)."""
         try:
             self.area.retain(tier, self._options.local_retention, step)
-            self.area.drop_stale(self._sources, newer_than=step)
+            self.area.drop_stale(self._sources, newer_than=step, policy=self._options.local_retention)
         except Exception as exc:  # noqa: BLE001 - retried after the next copy; never stop serving
             log.warning("checkpointing: retention of the peer copy of tier %s after step %d failed: %s", tier, step, exc)
 

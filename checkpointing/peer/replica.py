@@ -28,7 +28,7 @@ from typing import Collection
 from checkpointing.errors import CheckpointError, ManifestError
 from checkpointing.format.manifest import FORMAT_VERSION, canonical_json
 from checkpointing.plan.peers import Hosted
-from checkpointing.plan.retention import RetentionPolicy
+from checkpointing.plan.retention import RetentionPolicy, StepInfo, as_policy, steps_to_delete
 from checkpointing.storage import LocalStorage
 from checkpointing.tier import catalog, collect
 from checkpointing.tier.opening import ReadOnlyLocalStorage
@@ -129,10 +129,13 @@ class ReplicaArea:
         storage = self.storage(tier)
         collect.apply_retention(storage, keep, protect={newest}, where=f"on the peer copy {storage.url}")
 
-    def drop_stale(self, keep: Collection[str], newer_than: int) -> list[str]:
-        """Remove the replicas of tiers not in `keep` (a replaced node's, or one this node no longer
-        holds copies for) whose steps are all older than `newer_than`, which just committed here
-        from a node this node does hold copies for. COMMITs first (collect), then the directory."""
+    def drop_stale(self, keep: Collection[str], newer_than: int, policy: int | RetentionPolicy | None) -> list[str]:
+        """Retire the steps of the replicas of tiers not in `keep` (a replaced node's, or one this node no
+        longer holds copies for) whose steps are all older than `newer_than`, which just committed here
+        from a node this node does hold copies for, as far as the sources' keep_local (`policy`) over
+        their steps and the newer ones of the replicas in `keep` lets go (a replaced node's older steps
+        stay until its new tier holds as many); a replica left without steps goes whole. COMMITs first
+        (collect), then the directory."""
         dropped = []
         for tier in self.tiers():
             if tier in keep:
@@ -141,9 +144,12 @@ class ReplicaArea:
             if steps and max(steps) >= newer_than:
                 continue
             storage = self.storage(tier)
+            retire = self._unkept(storage, steps, keep, policy)
             try:
                 with self.lock(tier):
-                    collect.collect(storage, retire=steps)
+                    collect.collect(storage, retire=retire)
+                    if len(retire) < len(steps):
+                        continue
                     self._tier.delete(f"{PEERS_DIR}/{tier}")
             except (OSError, CheckpointError) as exc:
                 log.warning("checkpointing: could not remove the stale peer copy %s: %s", storage.url, exc)
@@ -153,6 +159,19 @@ class ReplicaArea:
             dropped.append(tier)
             log.info("checkpointing: removed the peer copy %s (steps %s): its node is no source of this node any more", storage.url, steps)
         return dropped
+
+    def _unkept(self, storage: LocalStorage, steps: list[int], keep: Collection[str], policy: int | RetentionPolicy | None) -> list[int]:
+        """`steps` of a stale replica that `policy` does not keep among them and the newer steps held for `keep`."""
+        rule = as_policy(policy)
+        if rule is None or not steps:
+            return [] if rule is None else steps
+        metrics = bool(rule.metric_names)
+        newer: dict[int, StepInfo] = {}
+        for tier in set(keep) & set(self.tiers()):
+            held = [s for s in self.committed(tier) if s > max(steps) and s not in newer]
+            newer.update((i.step, i) for i in catalog.step_infos(self.storage(tier), held, metrics=metrics))
+        infos = catalog.step_infos(storage, steps, metrics=metrics) + list(newer.values())
+        return [s for s in steps_to_delete(infos, rule) if s in set(steps)]
 
     def delete_step(self, step: int) -> list[str]:
         """mgr.delete(step) here: the step off every replica this node holds (reference-safe)."""
