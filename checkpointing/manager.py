@@ -34,7 +34,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
-from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
+from torch.optim.optimizer import Optimizer
 
 from checkpointing.dist.coordinator import open_coordinator, resolve_group
 from checkpointing.dist.types import Coordinator
@@ -57,7 +57,7 @@ from checkpointing.save.issue import SaveIssuer
 from checkpointing.save.planning import PackPlanner
 from checkpointing.save.records import SaveRecords
 from checkpointing.save.staging import StagingPool
-from checkpointing.save.stepped import SteppedOptimizers
+from checkpointing.save.stepped import SteppedOptimizers, register_guard
 from checkpointing.save.uploader import PendingUploads, Uploader, start_uploader
 from checkpointing.save.deletion import StepDeleter
 from checkpointing.save.worker import AfterUpload, LocalRetention, SaveWorker
@@ -136,7 +136,7 @@ class CheckpointManager:
         self._lock = NotHeld() if read_only else start_writing(self._coord, self.directory, tidy=lambda: collect.remove_incomplete(self.storage))
         self._peers = open_peers(self.options, self.storage, self._coord, release=self._lock.release)  # peer copies: checkpointing/peer/
         self._compose(group)
-        self._hook = None if read_only else register_optimizer_step_pre_hook(self._on_optimizer_step)
+        self._hook = None if read_only else register_guard(self._on_optimizer_step)
         _LIVE.add(self)
 
     __init__.__doc__ = ManagerOptions.__doc__  # every option, kept beside its checks (options.py)

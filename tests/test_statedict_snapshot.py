@@ -9,6 +9,7 @@ import gc
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.optim import optimizer as torch_optimizer
 
 import checkpointing
 from checkpointing import CheckpointManager
@@ -148,3 +149,66 @@ def test_eager_mode_copies_state_dicts_inside_save(tmp_path):
         _train_step(model, opt, 0)
         mgr.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait()
         assert mgr.stats()[-1].bytes_deferred == 0
+
+
+def test_what_changes_outside_optimizer_step_is_copied_before_save_returns(tmp_path):
+    """A tensor lr (scheduler.step() writes it in place), an embedding a forward renormalizes
+    (max_norm), and parameters a global pre-hook registered before the manager scales: each step
+    holds the values of the save() call."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(512, 16, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(4.0)  # rows longer than max_norm: a forward rewrites the rows it looks up
+    model = nn.Sequential(emb, nn.Flatten(), nn.Linear(16 * 4, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+
+    def decay(optimizer, args, kwargs):  # decoupled weight decay as a global pre-hook, registered first
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.mul_(0.9)
+
+    hook = torch_optimizer.register_optimizer_step_pre_hook(decay)
+    try:
+        flat = flatten_state({"model": model, "optim": opt})
+        eager = {leaf.key for leaf in flat.leaves if not leaf.deferred}
+        assert {"model/0.weight", "optim/param_groups/0/lr"} <= eager and "model/2.weight" not in eager
+        with CheckpointManager(tmp_path / "ckpt", keep_local=None, incremental=False) as mgr:
+            expected = {}
+            for step in (1, 2, 3):
+                idx = torch.randint(0, 512, (8, 4), generator=torch.Generator().manual_seed(step))
+                model(idx).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                state = {"model": model, "optim": opt, "sched": sched}
+                expected[step] = _clone({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict()})
+                h = mgr.save(step, state)
+                sched.step()  # the lr tensor, in place
+                model(idx).sum().backward()  # the embedding rows, in place
+                opt.step()  # the pre-hook scales every parameter before the guard would have waited
+                opt.zero_grad()
+                h.wait()
+            assert next(iter(torch_optimizer._global_optimizer_pre_hooks.values())) == mgr._on_optimizer_step
+        for step in (1, 2, 3):
+            _assert_same(checkpointing.load(tmp_path / "ckpt", step), expected[step], f"step {step}")
+    finally:
+        hook.remove()
+
+
+def test_lazy_and_meta_tensors_are_refused_naming_the_key(tmp_path):
+    import pytest
+
+    from checkpointing import CheckpointMismatchError
+    from checkpointing.errors import StateError
+
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        with pytest.raises(StateError, match=r"state\['model/1.weight'\] is an uninitialized parameter .*forward pass"):
+            mgr.save(1, {"model": nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(8))})
+        mgr.save(1, {"model": nn.Linear(4, 4)}).wait()
+        with torch.device("meta"):
+            meta = nn.Linear(4, 4)
+        with pytest.raises(CheckpointMismatchError, match=r"model/weight: .*on the meta device: materialize it first"):
+            mgr.restore({"model": meta})
+        with pytest.raises(CheckpointMismatchError, match=r"model/weight: .*uninitialized lazy parameter"):
+            mgr.restore({"model": nn.LazyLinear(4)})

@@ -161,6 +161,11 @@ class _Planner:
             self.reads.append(ReadBox(entry, dest, *full))
             return target
         if isinstance(target, torch.Tensor):
+            if isinstance(target, torch.nn.parameter.UninitializedTensorMixin) or target.device.type == "meta":
+                self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, the target holds no memory ("
+                             + ("an uninitialized lazy parameter: run one forward pass first" if not target.device.type == "meta" else
+                                "on the meta device: materialize it first, e.g. model.to_empty(device='cpu')") + ")")
+                return target
             if tuple(target.shape) != entry.shape or target.dtype != dtype:
                 self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is {str(target.dtype)[6:]}{list(target.shape)}")
                 return target

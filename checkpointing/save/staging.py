@@ -82,7 +82,12 @@ class StagingPool:
         if nbytes <= self.capacity and pinned == self.pinned:
             return
         self.release()
-        self._mmap = map_staging(nbytes)
+        try:
+            self._mmap = map_staging(nbytes)
+        except (OSError, MemoryError) as exc:
+            raise MemoryError(f"the staging pool cannot allocate {nbytes / 2**30:.2f} GiB of host memory ({exc}): a save stages "
+                              "the whole state once; pass CheckpointManager(staging_budget_bytes=...) to stage it in a smaller "
+                              "ring, or free host memory") from None
         self.view = memoryview(self._mmap)
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.address = self._tensor.data_ptr()

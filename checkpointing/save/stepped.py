@@ -16,11 +16,15 @@ views of a parameter share its storage. Empty storages (address 0) never match.
 
 from __future__ import annotations
 
+import collections
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from checkpointing.state.sharding import local_tensor
 
@@ -59,3 +63,14 @@ def _addresses(tensors: Iterable[torch.Tensor]) -> Iterable[int]:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             yield local_tensor(t).untyped_storage().data_ptr()
+
+
+def register_guard(hook: Callable[..., Any]) -> RemovableHandle:
+    """`hook` as a global optimizer step pre-hook that runs before every other one: a pre-hook the user
+    registered earlier (decoupled weight decay: p.mul_()) must not change parameters a snapshot still reads.
+    Global pre-hooks run in the order of torch's registry, before each optimizer's own."""
+    handle = register_optimizer_step_pre_hook(hook)
+    registry = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    if isinstance(registry, collections.OrderedDict) and handle.id in registry:
+        registry.move_to_end(handle.id, last=False)
+    return handle

@@ -117,6 +117,7 @@ class _Walker:
         self.watched = watched
         self.leaves: list[Leaf] = []
         self._alias: dict[tuple, int] = {}
+        self._renormed: frozenset[int] = frozenset()  # weights a forward rewrites in place: never deferred
 
     def visit_mapping(self, obj: Mapping, path: tuple, deferred: frozenset | bool = False) -> dict[str, Any]:
         items = []
@@ -175,10 +176,16 @@ class _Walker:
         deferred: frozenset | bool = False
         if not self.eager:
             if isinstance(obj, torch.optim.Optimizer):
-                deferred = True  # optimizer state changes only inside optimizer.step()
+                # per-parameter state changes only inside optimizer.step(); param_groups (a tensor lr) in scheduler.step() too
+                deferred = frozenset(_storage(v) for st in obj.state.values() if isinstance(st, Mapping)
+                                     for v in st.values() if isinstance(v, torch.Tensor))
             elif isinstance(obj, torch.nn.Module):
-                # parameters change only in optimizer.step(); buffers (BatchNorm stats) change in forward
-                deferred = frozenset(local_tensor(p).untyped_storage().data_ptr() for p in obj.parameters())
+                # parameters change only in optimizer.step(); buffers (BatchNorm stats) and the weights a forward
+                # renormalizes in place (nn.Embedding(max_norm=...)) change in forward
+                renormed = frozenset(_storage(m.weight) for m in obj.modules() if _renorms(m))
+                self._renormed |= renormed
+                deferred = frozenset(_storage(p) for p in obj.parameters()
+                                     if not isinstance(p, torch.nn.parameter.UninitializedTensorMixin)) - renormed
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
             raise StateError(f"state[{join_key(path)!r}].state_dict() returned a {type(sd).__name__}, not a dict")
@@ -194,6 +201,9 @@ class _Walker:
 
     def add_tensor(self, t: torch.Tensor, path: tuple, deferred: frozenset | bool) -> int:
         key = join_key(path)
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise StateError(f"state[{key!r}] is an uninitialized parameter or buffer (a lazy module, e.g. nn.LazyLinear): "
+                             "run one forward pass to create it before saving")
         layout = None
         if is_dtensor(t):
             t, layout = dtensor_layout(t, key)  # detached below: a DTensor's own detach() is a dispatched op (~30 us)
@@ -214,7 +224,7 @@ class _Walker:
             return self._alias[alias_key]
         if isinstance(deferred, frozenset):
             deferred = storage_ptr in deferred
-        deferred = deferred or storage_ptr in self.watched
+        deferred = (deferred or storage_ptr in self.watched) and storage_ptr not in self._renormed
         self.leaves.append(Leaf(key, t, bool(deferred) and not self.eager, layout))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1
@@ -225,3 +235,12 @@ class _Walker:
         t = torch.from_numpy(np.ascontiguousarray(a))
         self.leaves.append(Leaf(join_key(path), t, False))
         return len(self.leaves) - 1
+
+
+def _storage(t: torch.Tensor) -> int:
+    return local_tensor(t).untyped_storage().data_ptr()
+
+
+def _renorms(module: torch.nn.Module) -> bool:
+    """A module whose forward rewrites rows of its weight in place (embedding max_norm renormalization)."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
