@@ -17,9 +17,8 @@ next one is written, so a link slower than the checkpoint interval shows up as w
 local steps. handle.wait() and wait() return once a step is durable on every tier.
 
 Observability and the loop (training/loop.py, observe/accounting.py): optimizer.step() or mgr.step() marks steps; each save's
-record is completed with what it cost the loop once the steps during its background work have ended, and written by a
-"ckpt-metrics" thread that also runs the on_metrics callback. With handle_preemption() a "ckpt-preempt" watchdog thread ends the
-process if the grace period runs out.
+record is completed with what it cost the loop once the steps during its background work have ended, and written by a "ckpt-metrics"
+thread that also runs on_metrics. With handle_preemption() a "ckpt-preempt" watchdog ends the process if the grace period runs out.
 """
 
 from __future__ import annotations
@@ -184,7 +183,7 @@ class CheckpointManager:
         rank 0's are recorded. Every rank calls save() with the same step; none waits for the others.
         """
         self._check_open("save()")
-        for older in self._deleter.passed_over():  # several ranks: restore(step=None) resumed from an older step than these
+        for older in self._deleter.passed_over():  # restore(step=None) resumed from an older step than these
             self.delete(older, allow_latest=True, missing_ok=True)
         self._peers.wait_previous(self._saves.current)  # at most one step copies to the peers while the next is written
         job = self._saves.issue(step, state, eager=eager, metrics=metrics)
@@ -225,8 +224,8 @@ class CheckpointManager:
         rest of `state` keeps its values; a pattern matching nothing is an error). Names that differ only by wrappers
         (torch.compile's `_orig_mod.`) match, and an object and its state_dict() restore into each other. Every byte
         is verified before anything is applied; with step=None a step whose data is damaged on every copy is passed
-        over for the next older one (a warning names it; restore/attempt.py). The newer steps it passes over are deleted (with
-        several ranks at the next save()), so that training saves them again (save/deletion.py retire_newer)."""
+        over for the next older one (a warning names it; restore/attempt.py). The newer steps it passes over are deleted at the
+        next save(), so that training saves them again (save/deletion.py retire_newer)."""
         self._check_open(step=step)
         self._inflight.before_restore()
         remote, remote_steps = self.remote_storage, set(self._remote_steps() or ())
@@ -295,12 +294,13 @@ class CheckpointManager:
             if self._hook is not None:
                 self._hook.remove()
             self._worker.close()
-            if self._uploader is not None:
-                self._uploader.close()  # its queue is empty: wait() waited for every upload (unless it raised)
+            if self._uploader is not None:  # its queue is empty: wait() waited for every upload (unless it raised)
+                self._uploader.close(records=self._acct.close)  # the records close() makes final, then their copy there
+            else:
+                self._acct.close()
             if self.remote_storage is not None:
                 self.remote_storage.close()
             self._pool.release()
-            self._acct.close()
             self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
             self._peers.close()  # every rank is closing: none copies to, fetches or lists this node's server any more
             self._lock.release()  # after the last write: another process may take the directory now

@@ -197,6 +197,20 @@ def test_report_on_the_remote_tier_reads_rank_zeros_copy_of_the_metrics(saved, r
     assert code == 2 and "no save metrics recorded" in out, out
 
 
+def test_report_on_the_remote_tier_has_every_save_after_close(tmp_path, s3_bucket, run):
+    """With an optimizer marking steps, a save's record is final only at close(): its copy follows it."""
+    url, options = s3_bucket
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "local", remote=url, storage_options=options, upload_part_bytes=5 * MiB) as mgr:
+        for step in range(1, 6):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            mgr.save(step, {"model": model, "optim": opt})
+    code, out = run("report", url, *opts(options), "--json")
+    assert code == 0 and [s["step"] for s in json.loads(out)["saves"]] == [1, 2, 3, 4, 5], out
+
+
 def test_the_console_script_entry_runs_report(saved):
     local, _, _ = saved
     r = subprocess.run([sys.executable, "-m", "checkpointing", "report", str(local)], env=child_env(),

@@ -241,7 +241,7 @@ def test_every_committed_step_unreadable_is_an_error_not_a_fresh_start(tmp_path)
 @pytest.mark.parametrize("how", ["pack", "torn_commit"])
 def test_the_loop_goes_on_after_restore_passed_over_a_damaged_step(tmp_path, how, caplog):
     """The README loop (start = restore() or 0; save every step) after the newest step was found damaged:
-    restore() resumes from the older step and deletes the damaged one, so the loop saves that step again."""
+    restore() resumes from the older step, and the next save() deletes the damaged one, so the loop saves that step again."""
     root = tmp_path / "ck"
     _saved(root, (5, 10, 15))
     if how == "pack":
@@ -253,19 +253,19 @@ def test_the_loop_goes_on_after_restore_passed_over_a_damaged_step(tmp_path, how
     fresh, fresh_opt = _model(1)
     with CheckpointManager(root) as mgr:
         start = mgr.restore({"model": fresh, "optim": fresh_opt}) or 0
-        assert start == 10 and mgr.steps() == [10]  # keep_local=2 had kept 10 and 15
+        assert start == 10 and mgr.steps() == [10, 15]  # keep_local=2 had kept 10 and 15; restoring alone deletes nothing
         for step in range(start + 1, 17):
             _train(fresh, fresh_opt, step)
             mgr.save(step, {"model": fresh, "optim": fresh_opt}).wait()
         assert mgr.steps() == [15, 16]  # keep_local=2
-    assert any("step 15" in r.getMessage() and "saves step 15 again" in r.getMessage() for r in caplog.records)
+    assert any("step(s) 15 could not be restored" in r.getMessage() and "saved again" in r.getMessage() for r in caplog.records)
     check, check_opt = _model(2)
     with CheckpointManager(root, read_only=True) as mgr:
         assert mgr.restore({"model": check, "optim": check_opt}) == 16
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(check, check_opt).values(), _snapshot(fresh, fresh_opt).values()))
 
 
-@pytest.mark.parametrize("damage", ["deleted", "one bit flipped", "garbage"])
+@pytest.mark.parametrize("damage", ["deleted", "one bit flipped", "garbage", "another id"])
 def test_a_lost_or_damaged_tier_file_gets_its_id_back_from_the_committed_steps(tmp_path, damage, caplog, run_cli):
     """A new random id would make every committed step there look like another node's: unreadable."""
     root = tmp_path / "ck"
@@ -276,8 +276,10 @@ def test_a_lost_or_damaged_tier_file_gets_its_id_back_from_the_committed_steps(t
         tier.unlink()
     elif damage == "one bit flipped":
         tier.write_bytes(bytes([original[0] ^ 0x40]) + original[1:])  # '0'..'9' -> 'p'..'y', 'a'..'f' -> '!'..'&'
-    else:
+    elif damage == "garbage":
         tier.write_bytes(b"\x00garbage\xff")
+    else:  # still an id (a hex digit flipped into another, or a directory assembled from another node's): named by no file
+        tier.write_text("0123456789abcdef0123456789abcdef\n")
     fresh, fresh_opt = _model(2)
     assert checkpointing.load(root)["model"]["0.weight"].shape == fresh[0].weight.shape  # readers: as holding every copy
     with caplog.at_level(logging.WARNING, logger="checkpointing"), CheckpointManager(root) as mgr:  # the training job resuming
@@ -289,13 +291,27 @@ def test_a_lost_or_damaged_tier_file_gets_its_id_back_from_the_committed_steps(t
     assert code == 0 and "shard(s) live on other" not in out, out
 
 
-def test_committed_steps_this_tier_holds_no_data_of_are_an_error_not_a_fresh_start(tmp_path):
-    """The steps' data files name another local tier (the directory's TIER id changed: a directory
-    assembled from another node's): restore(step=None) must not answer None over committed steps."""
-    root = tmp_path / "ck"
-    net, opt = _saved(root, (10, 20))
-    (root / "TIER").write_text("0123456789abcdef0123456789abcdef\n")
-    with CheckpointManager(root) as mgr:
-        with pytest.raises(CheckpointCorruptError, match="no committed step .* can be read") as info:
-            mgr.restore({"model": net, "optim": opt})
-    assert "step 20" in str(info.value) and "step 10" in str(info.value)
+def _save_split(rank: int, world: int, base: str) -> None:
+    """Two ranks, one node-local directory each, a Shard(0) tensor: each directory holds half of it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.arange(64.0).reshape(8, 8), init_device_mesh("cpu", (world,)), [Shard(0)])
+    with CheckpointManager(Path(base) / f"node{rank}") as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": w}).wait()
+
+
+def test_one_node_s_directory_of_a_larger_job_is_an_error_not_a_fresh_start_nor_damage(tmp_path, run_cli):
+    """Its steps' other shards are on the other node: restore(step=None) must not answer None over committed
+    steps, nor call them damaged (verify finds nothing wrong), nor delete them."""
+    run_ranks(_save_split, 2, str(tmp_path), tmp=tmp_path)
+    node0 = tmp_path / "node0"
+    with CheckpointManager(node0) as mgr:
+        with pytest.raises(CheckpointError, match="no committed step .* can be read by this process") as info:
+            mgr.restore({"w": torch.zeros(8, 8)})
+        assert not isinstance(info.value, CheckpointCorruptError)
+        assert "step 20" in str(info.value) and "step 10" in str(info.value) and "remote tier" in str(info.value)
+        assert mgr.steps() == [10, 20]
+    code, out = run_cli("verify", str(node0))
+    assert code == 0 and "live on other ranks' local tiers" in out, out

@@ -144,9 +144,15 @@ def test_options_are_validated_and_secrets_never_shown(tmp_path, s3_bucket):
         ({"storage_options": {"key": "k"}}, "without remote"),
         ({"remote": "nosuchscheme://x/y"}, "no filesystem"),
         ({"remote": "file://tmp/x"}, r"relative path.*file:///absolute/path"),  # two slashes: would land under the cwd
+        ({"remote": url, "storage_options": "endpoint_url=x"}, "storage_options must be a dict"),
+        ({"remote": url, "storage_options": {**options, "client_kwargs": {"region": "x"}}},
+         r"'client_kwargs.region' \(did you mean 'client_kwargs.region_name'\?\)"),
     ]:
         with pytest.raises(CheckpointConfigError, match=text):
             CheckpointManager(tmp_path / "x", **{"storage_options": options if "remote" in kwargs else None, **kwargs})
+    for local in ("file:///tmp/x", url):  # a URL as the local directory would land under the current directory
+        with pytest.raises(CheckpointConfigError, match=r"is a URL: the local tier is a directory .*remote="):
+            CheckpointManager(local)
     typo = {("endpoint" if k == "endpoint_url" else k): v for k, v in options.items()}
     with pytest.raises(CheckpointConfigError, match="'endpoint' \\(did you mean 'endpoint_url'\\?\\)") as info:
         CheckpointManager(tmp_path / "t", remote=url, storage_options=typo)  # s3fs would fail later, inside botocore

@@ -30,7 +30,7 @@ from checkpointing.plan.retention import tier_states
 from checkpointing.storage import FsspecStorage, LocalStorage, Storage
 from checkpointing.tier import catalog, collect, pins
 from checkpointing.tier import lock as writer_lock
-from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.identity import tier_id_of
 from checkpointing.tier.verify import in_short, missing_files, verify_step
 
 # (column, row key, drop: 0 only with --wide, what it means)
@@ -90,7 +90,7 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
         elif step in listing.incomplete:
             row["state"] = _incomplete_state(storage.list(naming.step_dir(step)))
         rows.append(row)
-    for step, u in step_usage(manifests, read_tier_id(storage)).items():
+    for step, u in step_usage(manifests, tier_id_of(storage)).items():
         row = next(r for r in rows if r["step"] == step)
         row.update(stored=u.referenced, new=u.new, unique=u.unique, shared=u.shared)
     return rows

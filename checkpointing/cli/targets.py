@@ -41,7 +41,8 @@ def open_target(target: str, option_pairs: Sequence[str] = ()) -> Storage:
         storage = open_storage(target, options or None)
         storage.list("")  # reachable, and the credentials work
     except (CheckpointError, OSError) as exc:
-        raise CommandFailed(f"cannot open {redact_url(target)}: {exc}") from None
+        text = str(exc)
+        raise CommandFailed(text if text.startswith("cannot open") else f"cannot open {redact_url(target)}: {text}") from None
     return storage
 
 

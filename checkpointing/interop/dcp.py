@@ -55,7 +55,7 @@ from checkpointing.interop.source import open_source
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, read_box
 from checkpointing.state.codecs import Codec
 from checkpointing.tier import catalog
-from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.identity import tier_id_of
 
 __all__ = ["CheckpointReader"]
 
@@ -186,7 +186,7 @@ class CheckpointReader(StorageReader):
         manifest = catalog.load_manifest(storage, step)
         if self._rank_arg is not None and not 0 <= self._rank_arg < manifest.world_size:
             raise CheckpointConfigError(f"rank={self._rank_arg}: step {step} was saved by {manifest.world_size} rank(s) (0..{manifest.world_size - 1})")
-        here = read_tier_id(storage)
+        here = tier_id_of(storage)
         if here is None:  # a remote tier (or a copy of one): every primary copy is here
             sources = Sources(manifest, None, "", remote=storage)
         else:

@@ -29,7 +29,7 @@ from checkpointing.restore.load import open_readonly
 from checkpointing.restore.reading import ReadBox, Sources, read_box
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
-from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.identity import tier_id_of
 from checkpointing.tier.verify import in_short, missing_files
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ def open_step(source: str | os.PathLike | Storage, step: int | None = None, *, s
         shown = ", ".join(map(str, committed[-10:])) + (f" and {len(committed) - 10} older" if len(committed) > 10 else "")
         raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {shown})")
     manifest = catalog.load_manifest(storage, step)
-    here = read_tier_id(storage)
+    here = tier_id_of(storage)
     if here is None:  # a remote tier (or a directory that never held a writer's TIER id): every primary copy
         sources = Sources(manifest, None, "", remote=storage)
     else:

@@ -24,7 +24,7 @@ from checkpointing.storage import Storage, open_storage
 from checkpointing.storage.redact import redact_url
 from checkpointing.tier import catalog
 from checkpointing.tier.opening import ReadOnlyLocalStorage
-from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.identity import tier_id_of
 
 log = logging.getLogger("checkpointing")
 
@@ -82,7 +82,7 @@ def _read(storage: Storage, manifest: Manifest, keys: str | Iterable[str] | None
         plan = plan_restore({}, manifest, rank=rank or 0, world_size=world, codecs=codec_tuple(codecs), select=select)
     except CheckpointMismatchError as exc:  # worded for load(): there is no state passed to restore
         raise CheckpointMismatchError(exc.step, exc.problems, load=True) from None
-    here = read_tier_id(storage)
+    here = tier_id_of(storage)
     if here is None:  # a remote tier (or a directory that never held a writer's TIER id): every primary copy
         sources = Sources(manifest, None, "", remote=storage)
     else:

@@ -151,7 +151,12 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
         if world_size == 1 and step is None:
             break  # one rank: the newest readable step is the answer
     unreadable = candidates and not found.plans and (world_size == 1 or len(damaged) == len(candidates))
-    if step is None and unreadable and found.error is None:  # never a fresh start over committed steps
+    if step is None and unreadable and found.error is None and not damaged:  # never a fresh start over committed steps
+        found.error = CheckpointError(  # nothing is damaged: the shards lie on other nodes' disks
+            f"no committed step in {where} can be read by this process: {'; '.join(found.notes)}. Their other shards are on the "
+            "local tiers of the ranks that saved them (other nodes' directories): restore on those machines at that world size, "
+            "configure a remote tier that holds every rank's data (remote=...), or read a directory that holds every rank's files")
+    elif step is None and unreadable and found.error is None:
         found.error = CheckpointCorruptError(
             f"no committed step in {where} can be read: {'; '.join(found.notes)}. Nothing was restored; repair or remove "
             "the damaged steps' directories (checkpointing verify names what is damaged), or restore from another copy")

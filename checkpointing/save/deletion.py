@@ -49,7 +49,7 @@ class StepDeleter:
         self._local, self._remote, self._coord = local, remote, coord
         self._inflight, self._worker, self._uploader = inflight, worker, uploader
         self._calls = 0  # the same on every rank: names this call's meeting points in the store
-        self._restores = 0  # restore(step=None) calls of several ranks: names their gathers
+        self._restores = 0  # restore(step=None) calls: names their gathers
         self._passed: list[int] = []  # steps the last one passed over on some rank (save() deletes them)
         self._passed_from = 0  # the step it restored
 
@@ -75,47 +75,10 @@ class StepDeleter:
 
     def retire_newer(self, chosen: int) -> None:
         """After restore(step=None) resumed from `chosen`: the newer committed steps it passed over
-        (damaged on every copy, or their data gone from every tier) go, so that the run saves those
-        step numbers again (save() refuses a committed step). In a job of one process they are deleted
-        now, each with a warning. With several ranks (a step a lost node took with it, which the other
-        ranks still hold) the ranks agree on them now and delete them at the next save() (`passed_over`):
-        restoring alone, e.g. to evaluate, deletes nothing."""
-        if self._coord.world_size > 1:
-            self._agree_passed_over(chosen)
-            return
-        found: list[tuple[Storage, list[int]]] = []
-        for storage in [self._local] + ([self._remote] if self._remote is not None else []):
-            try:
-                found.append((storage, [s for s in catalog.list_steps(storage).committed if s > chosen]))
-            except (OSError, CheckpointError) as exc:
-                log.warning("checkpointing: could not list %s for the steps newer than %d: %s", storage.url, chosen, exc)
-        if not any(newer for _, newer in found):
-            return
-        self._inflight.settle()  # a resumed upload of one of them finishes first (its error stays for later)
-        self._worker.settle()
-        for storage, newer in found:
-            try:
-                for s in newer:
-                    log.warning("checkpointing: step %d in %s could not be restored (restore() resumed from step %d): deleting it, "
-                                "so that training saves step %d again", s, storage.url, chosen, s)
-                    collect.delete_committed(storage, s)
-                    self._worker.forget(s)
-                if self._uploader is not None and storage is self._remote:
-                    self._uploader.saw_remote(removed=newer)
-            except (OSError, CheckpointError) as exc:
-                log.warning("checkpointing: could not delete the steps newer than %d from %s: %s", chosen, storage.url, exc)
-
-    def passed_over(self) -> list[int]:
-        """The steps the last restore(step=None) passed over on some rank, newest first, once (several
-        ranks; the same list on every rank): save() deletes them, collectively, before its step."""
-        steps, self._passed = sorted(self._passed, reverse=True), []
-        if steps and self._coord.rank == 0:
-            log.warning("checkpointing: step(s) %s could not be restored on every rank (restore() resumed from step %d): deleting "
-                        "them from every tier, so that training saves those step numbers again", _few(set(steps)), self._passed_from)
-        return steps
-
-    def _agree_passed_over(self, chosen: int) -> None:
-        """Every rank's committed steps newer than `chosen` (its local tier, the remote tier), their union kept."""
+        (damaged on every copy, their data gone from every tier, or a lost node's part) go at the next
+        save() (`passed_over`), so that the run saves those step numbers again (save() refuses a
+        committed step). The ranks agree on them now (the union of what each sees); restoring alone,
+        e.g. to evaluate, or one process reading one node's directory of a larger job, deletes nothing."""
         mine: set[int] = set()
         for storage in [self._local] + ([self._remote] if self._remote is not None else []):
             try:
@@ -125,6 +88,16 @@ class StepDeleter:
         n, self._restores = self._restores, self._restores + 1
         seen = self._coord.gather(f"passed-over/{n}", {"steps": sorted(mine)})
         self._passed, self._passed_from = sorted(set().union(*(v["steps"] for v in seen))), chosen
+
+    def passed_over(self) -> list[int]:
+        """The steps the last restore(step=None) passed over on some rank, newest first, once (the same
+        list on every rank): save() deletes them, collectively, before its step."""
+        steps, self._passed = sorted(self._passed, reverse=True), []
+        if steps and self._coord.rank == 0:
+            log.warning("checkpointing: step(s) %s could not be restored%s (restore() resumed from step %d): training went on "
+                        "from there, so they are deleted from every tier and saved again", _few(set(steps)),
+                        " on every rank" if self._coord.world_size > 1 else "", self._passed_from)
+        return steps
 
     def _where(self) -> str:
         return self._local.url + (f" and the remote tier {self._remote.url}" if self._remote is not None else "")

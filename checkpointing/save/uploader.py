@@ -143,13 +143,16 @@ class Uploader:
             self._remote_steps |= set(added)
             self._remote_steps -= set(removed)
 
-    def close(self) -> None:
+    def close(self, records: Callable[[], None] = lambda: None) -> None:
+        """Stop the thread once its queue is empty; then `records` (the final metrics written) and, after an
+        upload of this process, their copy on the remote tier."""
         self._closing = True
         if self._cpu is not None:
             self._cpu.close()  # what is still queued runs at normal priority: close() waits for it
         self._thread.close()
+        records()
         if self._uploaded:
-            self._mirror_metrics()  # with the records close() made final
+            self._mirror_metrics()
         self.committer.close()
 
     def _run(self, job: UploadJob) -> None:

@@ -158,6 +158,9 @@ class Endpoint:
 def open_endpoint(url: str, protocol: str, shown: str, storage_options: Mapping[str, Any] | None, *,
                   retry: RetryPolicy, max_concurrency: int, own_loop: bool = False) -> Endpoint:
     """The Endpoint at `url` (`shown`: the URL redacted); CheckpointConfigError, saying how to fix it, if it cannot be opened."""
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointConfigError(f"storage_options must be a dict of fsspec options (e.g. {{'endpoint_url': ...}}), "
+                                    f"not a {type(storage_options).__name__}")
     secrets = secret_values(storage_options, url)
     try:
         cls = fsspec.get_filesystem_class(protocol)
@@ -214,6 +217,12 @@ def _check_s3_options(cls: Any, shown: str, options: Mapping[str, Any]) -> None:
     for fn in (cls.__init__, _session_init()):
         known |= {p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD and p.name != "self"}
     unknown = sorted(str(k) for k in options if k not in known)
+    client = options.get("client_kwargs")
+    if isinstance(client, Mapping):  # handed to botocore's create_client at the first request
+        takes = {p.name for p in inspect.signature(_client_init()).parameters.values()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in ("self", "service_name")}
+        unknown += [f"client_kwargs.{k}" for k in sorted(map(str, client)) if takes and k not in takes]
+        known |= {f"client_kwargs.{k}" for k in takes}
     if unknown:
         near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
         hints = "; ".join(f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown)
@@ -228,6 +237,15 @@ def _session_init() -> Any:
     except ImportError:  # an s3fs of another make: nothing more is known
         return lambda: None
     return AioSession.__init__
+
+
+def _client_init() -> Any:
+    """botocore's create_client, which s3fs hands client_kwargs to (no parameters known: nothing is checked)."""
+    try:
+        from botocore.session import Session
+    except ImportError:
+        return lambda: None
+    return Session.create_client
 
 
 def _default_options(protocol: str, max_concurrency: int, user: Mapping[str, Any]) -> dict[str, Any]:

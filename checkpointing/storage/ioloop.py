@@ -55,6 +55,7 @@ class IoLoop:
     def __init__(self, name: str = "ckpt-remote-io") -> None:
         self.hooks = ThreadHooks()
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_quiet)
         self.loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=f"{name}-pool", initializer=self.hooks.run))
         self._closers: list[Callable[[], Awaitable[Any]]] = []
         ready = threading.Event()
@@ -114,3 +115,10 @@ def _finish(loop: asyncio.AbstractEventLoop, thread: threading.Thread, closers: 
         thread.join(timeout=10.0)
         if not loop.is_running():
             loop.close()  # also shuts down the default executor (without waiting)
+
+
+def _quiet(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """A task of the HTTP client that failed with nobody awaiting it (a connection reset while an upload
+    failed): the request that matters raised its error already, through the retry wrapper; only debug."""
+    exc = context.get("exception")
+    log.debug("checkpointing: remote I/O loop: %s%s", context.get("message", ""), f" ({type(exc).__name__}: {exc})" if exc else "")

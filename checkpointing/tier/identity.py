@@ -15,7 +15,7 @@ import logging
 import secrets
 
 from checkpointing.errors import CheckpointError
-from checkpointing.storage import Storage
+from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.opening import ReadOnlyLocalStorage
 from checkpointing.tier.tierfile import TIER_FILE, read_tier_id
@@ -26,15 +26,16 @@ LOOK_AT = 3  # newest committed steps whose files are looked at
 
 
 def ensure_tier_id(storage: Storage) -> str:
-    """The tier's id, created first when it has none. A tier opened read-only (opening.py) gets none
-    created: "" (read as holding every primary copy)."""
-    found = read_tier_id(storage)
-    if found is not None:
-        return found
+    """The tier's id, created first when it has none, written again when the committed steps' files
+    there name another. A tier opened read-only (opening.py) is read as `tier_id_of` says ("": as
+    holding every primary copy); nothing is written there."""
     if isinstance(storage, ReadOnlyLocalStorage):
-        return ""
-    damaged = _exists(storage)
+        return tier_id_of(storage) or ""
+    found = read_tier_id(storage)
     recovered = _from_committed_steps(storage)
+    if found is not None and recovered in (None, found):
+        return found
+    damaged = _exists(storage)
     if damaged:
         if recovered is None:
             raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id, and no committed step there "
@@ -51,6 +52,16 @@ def ensure_tier_id(storage: Storage) -> str:
     if found is None:  # a link there (never followed), or not an id
         raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id: remove it")
     return found
+
+
+def tier_id_of(storage: Storage) -> str | None:
+    """The id to read `storage` as (nothing is written): the id its committed steps' files there were
+    written under when its TIER file is missing, damaged or names none of them, else the TIER file's
+    (None: a tier with every primary copy, such as the remote tier: never a local tier's id)."""
+    if not isinstance(storage, LocalStorage):
+        return read_tier_id(storage)
+    recovered = _from_committed_steps(storage)
+    return recovered if recovered is not None else read_tier_id(storage)
 
 
 def _exists(storage: Storage) -> bool:

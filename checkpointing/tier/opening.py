@@ -53,6 +53,9 @@ class ReadOnlyLocalStorage(LocalStorage):
 def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bool, fsync: bool, remote: bool) -> LocalStorage:
     """The manager's local tier at `local_dir`; CheckpointConfigError when it cannot be used. Read-only:
     the directory must exist, unless a remote tier (`remote`) can serve every step."""
+    if "://" in os.fspath(local_dir):
+        raise CheckpointConfigError(f"local_dir={os.fspath(local_dir)!r} is a URL: the local tier is a directory on this machine "
+                                    "(node-local NVMe); pass object storage as remote=..., e.g. CheckpointManager('/nvme/ckpt', remote='s3://bucket/run')")
     if os.path.exists(local_dir) and not os.path.isdir(local_dir):
         raise CheckpointConfigError(f"{local_dir!s} is a file, not a directory: pass the checkpoint directory (or a new path)")
     if not read_only:

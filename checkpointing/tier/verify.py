@@ -11,7 +11,7 @@ import dataclasses
 
 from checkpointing.tier import catalog
 from checkpointing.errors import CheckpointError
-from checkpointing.tier.tierfile import read_tier_id
+from checkpointing.tier.identity import tier_id_of
 from checkpointing.format import naming
 from checkpointing.format.manifest import ChunkHasher, ChunkRef, Manifest
 from checkpointing.storage import Storage
@@ -37,7 +37,7 @@ def missing_files(storage: Storage, manifest: Manifest, sizes: dict[str, int | N
     the wrong size: what can be told without reading the data (one size per file; an object store
     lists each directory instead; `sizes`: those already asked, the rest are asked here).
     `inspect`, `ls` and export show them; verify_step checks every byte."""
-    here = read_tier_id(storage)
+    here = tier_id_of(storage)
     # the sizes each file may have: a local tier holds whole files, the remote tier (no id) at least their primary prefix
     expected = {f.path: (f.nbytes if here is not None else f.primary_bytes, f.nbytes)
                 for f in manifest.files if here is None or f.tier in ("", here)}
@@ -75,7 +75,7 @@ def verify_step(storage: Storage, step: int) -> StepReport:
         manifest = catalog.load_manifest(storage, step)
     except CheckpointError as exc:
         return StepReport(step, 0, 0, (str(exc),))
-    here = read_tier_id(storage)
+    here = tier_id_of(storage)
     tier_of = {f.path: f.tier for f in manifest.files}
     # a file of another size than the file table says (the chunks below report a missing one, each)
     problems: list[str] = [p for p in missing_files(storage, manifest) if not p.endswith("missing or not a regular file")]
