@@ -215,6 +215,27 @@ def test_resume_from_an_explicit_older_checkpoint_replaces_the_newer_steps(tmp_p
     assert sorted(pointers.values()) == [4, 8, 12, 16, 16]
 
 
+def test_a_resumed_run_keeps_the_step_a_folder_it_has_not_touched_names(tmp_path):
+    """Two ModelCheckpoints; the resumed run never writes into best/ (epoch 0 stays the best), so only the
+    record of the folders earlier runs wrote pointers in keeps best/'s step when the other one moves on."""
+    def callbacks() -> list:
+        return [ModelCheckpoint(dirpath=tmp_path / "best", monitor="score", mode="min", save_top_k=1),
+                ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, save_top_k=1)]
+
+    scores = [0.0, 1.0, 2.0]
+    _fit(tmp_path, max_epochs=1, callbacks=callbacks(), module=TinyModule(scores=scores))
+    _, trainer, io = _fit(tmp_path, max_epochs=3, ckpt_path="last", callbacks=callbacks(), module=TinyModule(scores=scores))
+    best = trainer.checkpoint_callbacks[0].best_model_path
+    assert os.path.basename(best) == "epoch=0-step=4.ckpt" and _pointers(tmp_path / "best") == {"epoch=0-step=4.ckpt": 4}
+    assert _steps(tmp_path / "store") == [4, 12]
+    assert io.load_checkpoint(best)["global_step"] == 4
+
+
+def test_a_class_as_a_hyper_parameter_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(StateError, match=r"hyper_parameters/args'\] is the class torch.nn.modules.activation.GELU, not a value"):
+        _fit(tmp_path, max_epochs=1, module=TinyModule(args=torch.nn.GELU))
+
+
 def test_aliases_and_removal_through_the_io_calls(tmp_path):
     """What ModelCheckpoint does, called directly: two paths for one step, then removals (deleted at teardown)."""
     io = LightningCheckpointIO(tmp_path / "store")

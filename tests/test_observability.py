@@ -572,3 +572,72 @@ def test_a_killed_process_s_saves_that_local_retention_removed_are_recovered_fro
     steps = sorted((r["step"], r["recovered"]) for r in lines)
     assert [s for s, _ in steps] == sorted({s for s, _ in steps}) and {4, 5} <= {s for s, rec in steps if rec}, steps
     assert all(r["tier"] == "local+remote" and r["ok"] for r in lines if r["step"] in (4, 5))
+
+
+def test_a_signal_handler_installed_before_that_returns_lets_training_go_on(tmp_path):
+    """The emergency save of step 20 calls the earlier handler, which returns: the loop goes on, should_save(20)
+    does not save step 20 again, and close() after the grace period waits for the saves as usual."""
+    seen: list[int] = []
+    earlier = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        state = {"w": torch.zeros(4)}
+        with CheckpointManager(tmp_path / "ck", interval=10) as mgr:
+            mgr.handle_preemption(state, grace_s=0.2, signals=(signal.SIGUSR1,))
+            for step in range(1, 41):
+                state["w"] += 1
+                if step == 20:
+                    os.kill(os.getpid(), signal.SIGUSR1)  # just before the safe point of step 20
+                if mgr.should_save(step):
+                    mgr.save(step, state)
+            time.sleep(0.3)  # past the grace period
+        assert seen == [signal.SIGUSR1]
+        with CheckpointManager(tmp_path / "ck", read_only=True) as mgr:
+            assert mgr.steps() == [30, 40]  # keep_local=2; 10 and 20 were saved once each
+    finally:
+        signal.signal(signal.SIGUSR1, earlier)
+
+
+TWICE_CHILD = textwrap.dedent(r"""
+    import sys, time
+    import torch
+    from checkpointing import CheckpointManager
+
+    state = {"w": torch.zeros(4)}
+    try:
+        with CheckpointManager(sys.argv[1], interval=5) as mgr:
+            mgr.handle_preemption(state, grace_s=20)
+            for step in range(1, 10**6):
+                state["w"] += 1
+                if mgr.should_save(step):
+                    mgr.save(step, state)
+                print(f"DONE {step}", flush=True)
+                time.sleep(0.01)
+    finally:
+        print("CLEANUP", flush=True)
+        time.sleep(1.0)  # the launcher forwards the signal again meanwhile
+        print("CLEANED", flush=True)
+""")
+
+
+def test_a_second_sigterm_during_the_exit_is_ignored(tmp_path):
+    """A launcher forwards the signal the process group already got: the process still exits 143, its
+    finally clauses run."""
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE_CHILD)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line.strip())
+            if line.startswith("DONE 7"):
+                p.send_signal(signal.SIGTERM)
+            if line.startswith("CLEANUP"):
+                p.send_signal(signal.SIGTERM)
+                break
+        rc = p.wait(60)
+        lines += [line.strip() for line in p.stdout]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdout.close()
+    assert rc == 128 + signal.SIGTERM and lines[-1] == "CLEANED", (rc, lines[-3:])

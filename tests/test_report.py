@@ -320,3 +320,12 @@ def test_step_accounting_fields_flow_into_the_report():
     cols = table_columns(render(report.saves_table([rec], wide=True)))
     assert cols["step stall ms"] == ["200.0"] and cols["slowdown ms"] == ["300.0"] and "overhead %" in cols
     assert summary.summarize([rec]).cost_s.p50 == pytest.approx(0.5)
+
+
+def test_a_line_torn_by_a_crash_does_not_swallow_the_next_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, stats(1, 0.1))
+    with open(path, "a") as f:
+        f.write('{"step": 2, "ok": tr')  # an append cut short
+    append_jsonl(path, stats(3, 0.1))
+    assert [r["step"] for r in summary.load_records(tmp_path)] == [1, 3]

@@ -29,6 +29,7 @@ from checkpointing.storage import Storage
 MAGIC = "lightning_checkpoint_io"
 VERSION = 1
 RELEASED_NAME = "lightning-released.json"  # in the manager directory: steps released, not yet deleted
+DIRS_NAME = "lightning-dirs.json"  # in the manager directory: every folder a pointer to its steps was written in
 MAX_POINTER_BYTES = 8 << 20  # a pointer with overrides is a few KiB; anything larger is not one of ours
 _HEAD = ('{"%s":' % MAGIC).encode()
 
@@ -83,6 +84,24 @@ def write_released(storage: Storage, steps: set[int]) -> None:
         storage.put(RELEASED_NAME, json.dumps({MAGIC: VERSION, "released": sorted(steps)}).encode())
     else:
         storage.delete(RELEASED_NAME)
+
+
+def read_dirs(storage: Storage) -> set[str]:
+    """The folders earlier runs wrote pointers to this manager directory's steps in (remember_dirs): a step
+    another ModelCheckpoint's pointer names stays, although this run has not touched that folder yet."""
+    try:
+        body = json.loads(storage.get(DIRS_NAME, max_bytes=MAX_POINTER_BYTES))
+        dirs = body["dirs"] if isinstance(body, dict) and body.get(MAGIC) == VERSION else []
+        return {d for d in dirs if isinstance(d, str) and os.path.isabs(d)}
+    except (OSError, CheckpointError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def remember_dirs(storage: Storage, dirs: set[str]) -> None:
+    """Add `dirs` to the record read_dirs reads (written only when it grows)."""
+    known = read_dirs(storage)
+    if not dirs <= known:
+        storage.put(DIRS_NAME, json.dumps({MAGIC: VERSION, "dirs": sorted(known | dirs)}).encode())
 
 
 def _write_atomic(path: str, data: bytes) -> None:

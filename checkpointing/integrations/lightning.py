@@ -8,8 +8,8 @@
                       callbacks=[ModelCheckpoint(dirpath="ckpts", save_last=True)])
     trainer.fit(model, ckpt_path="last")
 
-`save_checkpoint` returns after the snapshot (CheckpointManager.save); writing, fsync and commit go
-on in the background. The manager opens after the first optimizer step (or at the first save).
+`save_checkpoint` returns after the snapshot (CheckpointManager.save); writing, fsync and commit go on in
+the background. The manager opens after the first optimizer step (or at the first save).
 `teardown` (end of fit/validate/test) waits until every save is durable and its pointers written,
 deletes what Lightning removed, closes the manager and raises the error of a failed save.
 
@@ -28,9 +28,10 @@ records an alias, whose pointer also carries the small entries that may differ (
 
 remove_checkpoint(path) removes the pointer (or the alias waiting for its commit); an overwritten
 pointer (`last.ckpt` moves on) releases its old step too. The step goes (mgr.delete, reference-safe)
-once no pointer in a directory this object wrote to or read from, and no alias waiting, names it, at the
-next call (or teardown) with no save in flight. Until then `lightning-released.json` lists it (written
-before the pointer moves off it): after a crash the next run deletes it.
+once no pointer in a folder pointers to this directory were ever written in (`lightning-dirs.json`) or
+this object read from, and no alias waiting, names it, at the next call (or teardown) with no save in
+flight. Until then `lightning-released.json` lists it (written before the pointer moves off): after a
+crash the next run deletes it.
 
 A save at a step an earlier run committed, other than the step this object loaded (a resume from
 an older checkpoint trains over newer steps), replaces it, as Torch's IO overwrites a file: the old
@@ -43,14 +44,12 @@ pathlib paths through codecs of _lightning_values.py; anything else is refused a
 with its key and the fix (`codecs=[...]`, or leave it out of the hyper-parameters). Each step also
 holds `_lightning_checkpoint_io: {"save_id": ...}` (checkpointing.load shows it; load_checkpoint drops it).
 
-Inference: Lightning's `MyModule.load_from_checkpoint(path)` torch.loads the pointer and fails; use
-`io.load_module(MyModule, path, **load_from_checkpoint_kwargs)` (_lightning_module.py).
+Inference: `MyModule.load_from_checkpoint(path)` torch.loads the pointer and fails: `io.load_module(MyModule, path, **kw)`.
 
-Limits: a pointer copied to a directory this object neither wrote to nor loaded from does not keep
-its step. ModelCheckpoint(save_last="link") replaces `last.ckpt` by a link without remove_checkpoint,
-so the old pointer's step stays on disk (save_last=True costs only a pointer here anyway). Lightning
-saves from global rank 0 only: under DDP the manager runs on a process group of rank 0 alone, made on every
-rank at the first optimizer step (or pass process_group=torch.distributed.new_group([0]), made on every rank).
+Limits: a pointer copied by hand to another folder does not keep its step. ModelCheckpoint(save_last="link")
+replaces `last.ckpt` by a link without remove_checkpoint, so the old pointer's step stays on disk (save_last=True
+costs only a pointer here anyway). Lightning saves from global rank 0 only: under DDP the manager runs on a process
+group of rank 0 alone, made on every rank at the first step (or pass process_group=torch.distributed.new_group([0])).
 """
 
 from __future__ import annotations
@@ -275,6 +274,7 @@ class LightningCheckpointIO(CheckpointIO):
             self._mgr = CheckpointManager(self.directory, codecs=self._codecs, **self._options)
             self._on_disk = set(self._mgr.steps())
             self._doomed |= ptr.read_released(self._mgr.storage) & self._on_disk  # an earlier run's, which stopped before deleting them
+            self._dirs |= ptr.read_dirs(self._mgr.storage)  # the folders earlier runs' pointers are in: their steps stay
         return self._mgr
 
     def _journal(self) -> None:
@@ -329,6 +329,8 @@ class LightningCheckpointIO(CheckpointIO):
             raise CheckpointError(f"cannot write the pointer file {target} for step {step} ({exc}); "
                                   f"the step is committed in {self.directory}") from exc
         self._dirs.add(os.path.dirname(target))
+        if self._mgr is not None:
+            ptr.remember_dirs(self._mgr.storage, self._dirs)
 
     def _referenced(self) -> set[int]:
         """Steps a pointer (in the directories this object knows) or an alias waiting names (the lock held)."""

@@ -135,16 +135,19 @@ def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> 
     record = stats.as_dict() if isinstance(stats, SaveStats) else stats
     line = json.dumps(record, sort_keys=True) + "\n"
     try:  # never through a link, never blocking on a FIFO: the checkpoint directory may hold anything
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno != errno.ELOOP and not os.path.islink(path):
             raise
         log.warning("checkpointing: %s is a symbolic link: metrics line not written (never written through a link)", path)
         return
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             log.warning("checkpointing: %s is not a regular file: metrics line not written", path)
             return
+        if st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":  # a line torn by a crash: ours starts a new one
+            line = "\n" + line
         os.write(fd, line.encode("utf-8"))
     finally:
         os.close(fd)

@@ -61,7 +61,8 @@ def join_key(path: tuple[str | int, ...]) -> str:
 
 
 def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    """An object with state_dict()/load_state_dict() (a class itself, torch.nn.GELU as a hyper-parameter, is not)."""
+    return not isinstance(obj, type) and callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def class_name(obj: Any) -> str:
@@ -166,6 +167,9 @@ class _Walker:
             return self.visit_codec(codec, obj, path)
         if is_stateful(obj):
             return self.visit_stateful(obj, path)
+        if isinstance(obj, type):
+            raise StateError(f"state[{join_key(path)!r}] is the class {obj.__module__}.{obj.__qualname__}, not a value: store its "
+                             "name (a string) and look the class up after restore, or give CheckpointManager(codecs=[...]) a codec")
         raise StateError(
             f"state[{join_key(path)!r}] is a {class_name(obj)}, which is not checkpointable: pass "
             "tensors, numpy arrays, JSON-like values, or objects with state_dict()/load_state_dict(); "

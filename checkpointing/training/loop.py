@@ -70,7 +70,8 @@ class TrainingLoop:
         self.at_safe_point(step)
         if schedule.interval == "auto" and self._world_size > 1:
             self._agree_interval(schedule, step)
-        return schedule.due(step)
+        due = schedule.due(step)
+        return due and (self.preemption is None or self.preemption.saved != step)  # an emergency save saved it just now
 
     @property
     def interval_steps(self) -> int | None:
@@ -120,7 +121,7 @@ class TrainingLoop:
         if preemption is None:
             return None
         preemption.at_close(self._acct.last_step)
-        return preemption.remaining() if preemption.requested else None
+        return preemption.remaining() if preemption.requested and not preemption.went_on else None
 
     def stop(self) -> None:
         """close() ends: the signal handlers go back."""

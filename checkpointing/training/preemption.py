@@ -87,6 +87,8 @@ class Preemption:
         self.signum: int | None = None
         self.deadline: float | None = None  # monotonic
         self.handled = False
+        self.saved: int | None = None  # the step the emergency save saved (or found committed)
+        self.went_on = False  # the handler installed before returned: training goes on, close() waits as usual
         self._acting = False
         self._stop: int | None = None  # the agreed step (several ranks)
         self._previous: dict[int, Any] = {}
@@ -219,6 +221,7 @@ class Preemption:
                 if job.outcome.error is None:
                     log.warning("checkpointing: step %d committed on the local tier %.2f s after the safe point; exiting",
                                 step, time.monotonic() - t0)
+            self.saved = step
         self._barrier()
         if exit:
             self._exit(step)
@@ -278,11 +281,15 @@ class Preemption:
         self.uninstall()
         if prev is signal.SIG_IGN:
             self._disarmed.set()
+            self.went_on = True
             return
         if callable(prev) and prev is not signal.SIG_DFL:
             self._disarmed.set()
+            self.went_on = True
             prev(signum, None)
             return
+        if threading.current_thread() is threading.main_thread():  # a launcher's forwarded copy must not kill the teardown
+            signal.signal(signum, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     # ------------------------------------------------------------------ watchdog
