@@ -33,24 +33,22 @@ def ensure_tier_id(storage: Storage) -> str:
         return tier_id_of(storage) or ""
     found = read_tier_id(storage)
     recovered = _from_committed_steps(storage)
+    if found is None and _exists(storage):  # another rank of this tier may have created it just now (an atomic put)
+        found = read_tier_id(storage)
     if found is not None and recovered in (None, found):
         return found
-    damaged = _exists(storage)
-    if damaged:
-        if recovered is None:
-            raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id, and no committed step there "
-                                  "names one: remove it (the directory then gets a new id)")
-        storage.delete(TIER_FILE)
-    if recovered is not None:
+    if recovered is not None:  # missing, not an id, or an id no file here names: the files' id again
         log.warning("checkpointing: %s/%s was %s; the committed steps' files there name the id %s, which it gets again",
-                    storage.url, TIER_FILE, "damaged" if damaged else "missing", recovered)
+                    storage.url, TIER_FILE, "damaged" if _exists(storage) else "missing", recovered)
+        storage.delete(TIER_FILE)  # ranks of this tier that race here all write the same id
     try:
         storage.put(TIER_FILE, (recovered or secrets.token_hex(8)).encode("ascii"), exclusive=True)
-    except FileExistsError:  # another rank on this tier created it first
+    except FileExistsError:  # another rank on this tier created it first (or a TIER file that is not an id)
         pass
     found = read_tier_id(storage)
-    if found is None:  # a link there (never followed), or not an id
-        raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id: remove it")
+    if found is None:  # a link there (never followed), or not an id, and no committed step names one
+        raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id, and no committed step there "
+                              "names one: remove it (the directory then gets a new id)")
     return found
 
 
