@@ -68,6 +68,7 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
     """One row per step (the JSON of `ls --json`): state, tier, commit time, size, tensors, shared/unique bytes."""
     rows: list[dict[str, Any]] = []
     manifests: dict[int, Manifest] = {}
+    here = tier_id_of(storage)
     for step in sorted(set(listing.committed + listing.incomplete) | set(tiers)):
         committed = step in listing.committed
         row: dict[str, Any] = {"step": step, "state": "committed" if committed else "incomplete" if step in listing.incomplete else "remote only"}
@@ -81,7 +82,7 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
                 row["bytes"] = manifests[step].nbytes
                 if manifests[step].metrics:
                     row["metrics"] = dict(manifests[step].metrics)  # save(..., metrics=...)
-                lost = missing_files(storage, manifests[step])
+                lost = missing_files(storage, manifests[step], here=here)
                 if lost:
                     row["state"], row["error"] = "damaged", f"{in_short(lost)}: run checkpointing verify"
             except CheckpointError as exc:
@@ -90,7 +91,7 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
         elif step in listing.incomplete:
             row["state"] = _incomplete_state(storage.list(naming.step_dir(step)))
         rows.append(row)
-    for step, u in step_usage(manifests, tier_id_of(storage)).items():
+    for step, u in step_usage(manifests, here).items():
         row = next(r for r in rows if r["step"] == step)
         row.update(stored=u.referenced, new=u.new, unique=u.unique, shared=u.shared)
     return rows
@@ -182,7 +183,7 @@ def _tensors_view(manifest: Manifest, title: str, *, width: int | None, wide: bo
 
 def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
     """1 (and a line per file) when a data file this tier should hold is missing or of the wrong size (verify.missing_files)."""
-    bad = missing_files(storage, manifest)
+    bad = missing_files(storage, manifest, here=tier_id_of(storage))
     for line in bad:
         console.print(f"[red]damaged[/red] {escape(line)}")
     if bad:
@@ -227,8 +228,9 @@ def verify(args: argparse.Namespace, console: Console) -> int:
             console.print(f"  - {why}", markup=False)
     if not steps and not damaged:
         raise fmt.CommandFailed(f"{storage.url}: no committed step to verify")
+    here = tier_id_of(storage)
     for step in each(console, "verifying steps", steps):
-        report = verify_step(storage, step)
+        report = verify_step(storage, step, here=here)
         if report.ok:
             others = f"; {report.elsewhere} shard(s) live on other ranks' local tiers" if report.elsewhere else ""
             console.print(f"[green]ok[/green]      step {step}: {report.tensors} tensors, {fmt.size(report.bytes_checked)} verified{others}")

@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 
 from checkpointing.tier import catalog
-from checkpointing.errors import CheckpointError
 from checkpointing.tier.identity import tier_id_of
+from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
 from checkpointing.format.manifest import ChunkHasher, ChunkRef, Manifest
 from checkpointing.storage import Storage
 
 PIECE_BYTES = 8 << 20  # the most verify holds of one chunk at a time
+
+
+ASK = object()  # missing_files / verify_step: ask tier_id_of for the tier's id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +35,13 @@ class StepReport:
         return not self.problems
 
 
-def missing_files(storage: Storage, manifest: Manifest, sizes: dict[str, int | None] | None = None) -> list[str]:
+def missing_files(storage: Storage, manifest: Manifest, sizes: dict[str, int | None] | None = None, *, here: object = ASK) -> list[str]:
     """A line per data file of the step this tier should hold that is missing, not a regular file or of
     the wrong size: what can be told without reading the data (one size per file; an object store
     lists each directory instead; `sizes`: those already asked, the rest are asked here).
-    `inspect`, `ls` and export show them; verify_step checks every byte."""
-    here = tier_id_of(storage)
+    `inspect`, `ls` and export show them; verify_step checks every byte. `here`: the tier's id as
+    tier_id_of(storage) says (default: asked here; a caller going over many steps asks once)."""
+    here = tier_id_of(storage) if here is ASK else here
     # the sizes each file may have: a local tier holds whole files, the remote tier (no id) at least their primary prefix
     expected = {f.path: (f.nbytes if here is not None else f.primary_bytes, f.nbytes)
                 for f in manifest.files if here is None or f.tier in ("", here)}
@@ -64,21 +68,21 @@ def in_short(lost: list[str]) -> str:
     return lost[0] + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
 
 
-def verify_step(storage: Storage, step: int) -> StepReport:
+def verify_step(storage: Storage, step: int, *, here: object = ASK) -> StepReport:
     """Read every chunk this tier holds for `step` and check its digest.
 
     A local tier holds the copies the file table places on it (its TIER id); shards of ranks on
     other local tiers are counted in `elsewhere`, not reported as missing. A tier without an id
-    (the remote tier) must hold every primary copy.
+    (the remote tier) must hold every primary copy. `here`: as missing_files.
     """
     try:
         manifest = catalog.load_manifest(storage, step)
     except CheckpointError as exc:
         return StepReport(step, 0, 0, (str(exc),))
-    here = tier_id_of(storage)
+    here = tier_id_of(storage) if here is ASK else here
     tier_of = {f.path: f.tier for f in manifest.files}
     # a file of another size than the file table says (the chunks below report a missing one, each)
-    problems: list[str] = [p for p in missing_files(storage, manifest) if not p.endswith("missing or not a regular file")]
+    problems: list[str] = [p for p in missing_files(storage, manifest, here=here) if not p.endswith("missing or not a regular file")]
     checked = elsewhere = 0
     reader = _ChunkReader(storage)
     gone: dict[str, set[str]] = {}  # a missing file -> the tensors with chunks in it: said once per file
