@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     samples = sample(child.pid, tids, lambda: child.poll() is not None, P.interval_ms / 1000)
     sampler_load = (time.process_time() - cpu_start) / max(1e-9, time.time() - t_start)
     child.wait()
-    steps = json.load(open(out))
+    with open(out) as f:
+        steps = json.load(f)
+    shutil.rmtree(work, ignore_errors=True)
     kind = {}
     for st in steps:
         kind[st["step"]] = "save" if st["busy"] else "quiet"

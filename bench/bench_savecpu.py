@@ -22,6 +22,7 @@ import argparse
 import collections
 import functools
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         meter.wrap(owner, name, phase)
     trainer = bench_core.Trainer(P.size_gb, 1, 16, None, seed=0)
     os.makedirs(P.dir, exist_ok=True)
-    manager = CheckpointManager(tempfile.mkdtemp(prefix="savecpu-", dir=P.dir), keep_local=2, background_yield_s=None,
+    ckdir = tempfile.mkdtemp(prefix="savecpu-", dir=P.dir)  # removed below: each run writes ~1.4 GB
+    manager = CheckpointManager(ckdir, keep_local=2, background_yield_s=None,
                                 incremental=not P.no_incremental)
     state = {"model": trainer.model, "optim": trainer.opt}
     before: dict[str, float] = {}
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     after = _thread_cpu()
     meter.on = False
     manager.close()
+    shutil.rmtree(ckdir, ignore_errors=True)
     nbytes = trainer.state_bytes()
     floors = bench_cost.measure_floors(trainer, argparse.Namespace(out=P.dir, write_block_mib=32, floor_reps=3))
     n = P.saves

@@ -249,7 +249,13 @@ def _saver(size_gb: float, root: str):
 
     trainer = bench_core.Trainer(size_gb, 1, 16, None, seed=0)
     os.makedirs(root, exist_ok=True)
-    manager = CheckpointManager(tempfile.mkdtemp(prefix="yield-save-", dir=root), keep_local=2)
+    import atexit
+    import shutil
+
+    ckdir = tempfile.mkdtemp(prefix="yield-save-", dir=root)
+    manager = CheckpointManager(ckdir, keep_local=2)
+    atexit.register(shutil.rmtree, ckdir, True)  # runs after the close below: atexit is last-in, first-out
+    atexit.register(manager.close)
     state = {"model": trainer.model, "optim": trainer.opt}
     last: list = [None, 0]
 
