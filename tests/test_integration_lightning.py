@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import math
 import os
@@ -173,6 +174,73 @@ def test_resume_from_last_is_bit_exact_and_every_path_loads_what_lightning_gave(
     assert _steps(tmp_path / "store") == [16]  # save_top_k=1: step 4 went with its last pointer
     assert _pointers(tmp_path / "ckpts") == {"epoch=3-step=16.ckpt": 16, "last.ckpt": 16}
     assert_same(checkpointing.load(tmp_path / "store")["state_dict"], reference["model"])
+
+
+def test_a_full_save_after_a_weights_only_one_at_the_same_step_resumes_bit_exact(tmp_path, reference):
+    """Two ModelCheckpoints save at step 4: weights only (at the batch end) first, then in full (at the epoch end)."""
+    weights = ModelCheckpoint(dirpath=tmp_path / "weights", save_weights_only=True, every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1)
+    full = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    module, _, io = _fit(tmp_path, max_epochs=1, callbacks=[weights, full])
+    assert _steps(tmp_path / "store") == [4]  # saved again with the optimizer state, not a second step
+    slim, top, last = module.captured
+    assert "optimizer_states" not in slim and "optimizer_states" in last
+    assert_same(io.load_checkpoint(tmp_path / "weights" / "epoch=0-step=4.ckpt"), slim)  # its own entries, no more
+    assert_same(io.load_checkpoint(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"), top)
+    assert_same(io.load_checkpoint(tmp_path / "ckpts" / "last.ckpt"), last)
+
+    resumed, trainer, _ = _fit(tmp_path, max_epochs=EPOCHS, ckpt_path="last", module=_other_module())
+    assert_same(_final_state(resumed, trainer), reference)
+
+
+def test_a_second_save_at_one_step_is_an_alias_only_of_unchanged_state(tmp_path, caplog):
+    """Called as Lightning calls it: a full save after a weights-only one, a weights-only one after a full one, a
+    fresh copy of the same weights (an alias), weights changed in place (refused), and a new fit of the plugin."""
+    io = LightningCheckpointIO(tmp_path / "store")
+    ckpts = tmp_path / "ckpts"
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+    def full(**extra: Any) -> dict:
+        return {"global_step": 1, "state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], **extra}
+
+    io.save_checkpoint({"global_step": 1, "state_dict": model.state_dict(), "epoch": 0}, ckpts / "slim.ckpt")
+    io.save_checkpoint(full(epoch=1), ckpts / "full.ckpt")  # the step lacked the optimizer state: saved again
+    io.save_checkpoint({"global_step": 1, "state_dict": {k: v.clone() for k, v in model.state_dict().items()}}, ckpts / "copy.ckpt")
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": copy.deepcopy(opt.state_dict())}
+    with torch.no_grad():
+        model.weight.add_(1.0)  # changed without an optimizer step: a step cannot hold two states
+    with pytest.raises(checkpointing.CheckpointConfigError, match="weight.*global_step 1|global_step 1.*state_dict"):
+        io.save_checkpoint(full(), ckpts / "changed.ckpt")
+    io.teardown()
+    assert _steps(tmp_path / "store") == [1]
+    assert _pointers(ckpts) == {"slim.ckpt": 1, "full.ckpt": 1, "copy.ckpt": 1}
+    slim = io.load_checkpoint(ckpts / "slim.ckpt")
+    assert list(slim) == ["global_step", "state_dict", "epoch"] and slim["epoch"] == 0
+    assert_same(slim["state_dict"], saved["model"])
+    whole = io.load_checkpoint(ckpts / "full.ckpt")
+    assert whole["epoch"] == 1
+    assert_same(whole["optimizer_states"][0], saved["optim"])
+    assert list(io.load_checkpoint(ckpts / "copy.ckpt")) == ["global_step", "state_dict"]
+
+    other = torch.nn.Linear(4, 2)  # the plugin reused for a new run at the same global step: the step is replaced
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        io.save_checkpoint({"global_step": 1, "state_dict": other.state_dict()}, ckpts / "new.ckpt")
+        io.teardown()
+    assert "saved by an earlier run" in caplog.text
+    assert _pointers(ckpts) == {"new.ckpt": 1}
+    assert_same(io.load_checkpoint(ckpts / "new.ckpt")["state_dict"], other.state_dict())
+
+
+def test_a_pointer_without_keys_reads_as_one_naming_the_whole_step(tmp_path):
+    io = LightningCheckpointIO(tmp_path / "store")
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(3)}, "epoch": 0}, tmp_path / "a.ckpt")
+    io.teardown()
+    body = json.loads((tmp_path / "a.ckpt").read_text())
+    del body["keys"]  # as a pointer written before pointers had keys
+    (tmp_path / "a.ckpt").write_text(json.dumps(body))
+    assert list(io.load_checkpoint(tmp_path / "a.ckpt")) == ["global_step", "state_dict", "epoch"]
 
 
 def test_save_top_k_by_a_monitored_metric_keeps_exactly_those_steps(tmp_path):

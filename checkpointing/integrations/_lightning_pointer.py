@@ -5,11 +5,13 @@ A pointer file is what LightningCheckpointIO writes at each path Lightning names
 CheckpointManager directory and the id of the save that made it:
 
     {"lightning_checkpoint_io": 1, "directory": "/abs/ckpt", "step": 100, "save_id": "9f0c...",
-     "overrides": null | {"tree": <tree>, "tensors": [{"dtype": "float32", "shape": [], "data": <base64>}]}}
+     "overrides": null | {"tree": <tree>, "tensors": [{"dtype": "float32", "shape": [], "data": <base64>}]},
+     "keys": null | ["state_dict", "epoch", ...]}
 
 `overrides` holds the entries of a second save at one global step that the step itself does not
-(see lightning.py; encoded by _lightning_values.encode_entries). Pointers are written atomically (a
-temporary file, fsync, rename, fsync of the directory) and start with their magic key, so a scan
+(see lightning.py; encoded by _lightning_values.encode_entries); `keys`, the checkpoint's own entries
+in their order, where the step holds others too (_lightning_same_step.py); absent, it reads as null.
+Pointers are written atomically (a temporary file, fsync, rename, fsync of the directory) and start with their magic key, so a scan
 tells them from other files by their first bytes.
 """
 
@@ -23,7 +25,7 @@ import threading
 from typing import Any, Iterator
 
 import checkpointing
-from checkpointing.errors import CheckpointError
+from checkpointing.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpointing.storage import Storage
 
 MAGIC = "lightning_checkpoint_io"
@@ -42,6 +44,7 @@ class Pointer:
     step: int
     save_id: str
     overrides: dict[str, Any] | None = None  # encode_entries() output, or None
+    keys: tuple[str, ...] | None = None  # the entries loaded for it, in order; None: all the step's
 
 
 def new_save_id() -> str:
@@ -51,7 +54,7 @@ def new_save_id() -> str:
 def write_pointer(path: str, pointer: Pointer) -> None:
     """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part."""
     body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
-            "overrides": pointer.overrides}
+            "overrides": pointer.overrides, "keys": None if pointer.keys is None else list(pointer.keys)}
     _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
 
 
@@ -61,6 +64,22 @@ def holds(directory: str, step: int, save_id: str, key: str) -> bool:
         return checkpointing.load(directory, step, keys=key).get(key, {}).get("save_id") == save_id
     except (CheckpointError, OSError, AttributeError):
         return False
+
+
+def load_step(directory: str, step: int, target: str, keys: list[str] | None, codecs: Any,
+              remote: tuple[str | None, Any] | None, id_key: str) -> dict[str, Any]:
+    """`step` of the manager directory `directory` (its entries `keys` and `id_key`, or all), or of the
+    manager's remote tier `remote` (url, storage_options) where the directory lacks it (a replaced node)."""
+    selected = {} if keys is None else {"keys": [*keys, id_key]}
+    tiers = [(directory, None)] + ([remote] if remote is not None and remote[0] else [])
+    for where, options in tiers:
+        try:
+            return checkpointing.load(where, step, options, codecs=codecs, **selected)
+        except CheckpointMismatchError:  # a key the step lacks: all of it
+            return checkpointing.load(where, step, options, codecs=codecs)
+        except CheckpointNotFoundError as exc:
+            missing = exc
+    raise CheckpointNotFoundError(f"{target} names step {step} of {directory}, which is not there: {missing}") from missing
 
 
 def read_released(storage: Storage) -> set[int]:
@@ -141,16 +160,18 @@ def read_pointer(path: str) -> Pointer | None:
         obj = json.loads(data.decode("utf-8"))
         if obj.get(MAGIC) != VERSION:
             raise ValueError(f"version {obj.get(MAGIC)!r}; this library reads version {VERSION}")
-        directory, step, save_id, overrides = obj["directory"], obj["step"], obj["save_id"], obj["overrides"]
+        directory, step, save_id, overrides, keys = obj["directory"], obj["step"], obj["save_id"], obj["overrides"], obj.get("keys")
         if not isinstance(directory, str) or not isinstance(save_id, str) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("directory, step or save_id has the wrong type")
         if overrides is not None and not (isinstance(overrides, dict) and isinstance(overrides.get("tree"), dict)
                                           and isinstance(overrides.get("tensors"), list)):
             raise ValueError("overrides must be null or {tree, tensors}")
+        if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+            raise ValueError("keys must be null or a list of strings")
     except (UnicodeDecodeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is a damaged LightningCheckpointIO pointer file ({exc}): "
                               "delete it, or pass the path of another checkpoint") from None
-    return Pointer(directory, step, save_id, overrides)
+    return Pointer(directory, step, save_id, overrides, None if keys is None else tuple(keys))
 
 
 def read_pointer_quietly(path: str) -> Pointer | None:
@@ -182,8 +203,21 @@ class PointedStep:
     save_id: str
     handle: Any = None  # its SaveHandle; None: committed before this object saw it
     committed: bool = True
-    pending: dict[str, dict | None] = dataclasses.field(default_factory=dict)  # path -> overrides
+    pending: dict[str, tuple[dict | None, tuple[str, ...] | None]] = dataclasses.field(default_factory=dict)  # path -> (overrides, keys)
     settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # done callback finished
+    keys: tuple[str, ...] | None = None  # the entries the step holds (None: not known)
+    marks: dict[str, list] | None = None  # _lightning_same_step.marks() of the save that made it (None: loaded)
+    earlier_fit: bool = False  # saved or loaded before the last teardown
 
     def in_flight(self) -> bool:
         return self.handle is not None and not self.settled.is_set()
+
+    def wait_committed(self) -> bool:
+        """Wait until its save ended and its pointers are written; whether it committed."""
+        if self.handle is not None:
+            try:
+                self.handle.wait()
+            except CheckpointError:
+                pass  # its done callback keeps the error, raised at the next call
+            self.settled.wait()
+        return self.committed

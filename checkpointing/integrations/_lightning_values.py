@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import logging
 import os
 import pathlib
 from typing import Any, Callable, Mapping, Sequence
@@ -30,6 +31,8 @@ from checkpointing.format.decode import check_tree
 from checkpointing.format.dtypes import dtype_from_name, dtype_name
 from checkpointing.state.codecs import Codec
 from checkpointing.state.tree import flatten_state
+
+log = logging.getLogger("checkpointing")
 
 BULK = frozenset({"state_dict", "optimizer_states"})  # never in an alias's overrides: equal at one global step
 MAX_OVERRIDE_BYTES = 1 << 20
@@ -241,15 +244,46 @@ def add_rank_zero_group(options: dict[str, Any]) -> None:
         options["process_group"] = dist.new_group([0])
 
 
-def overrides(checkpoint: Mapping[str, Any], target: str, codecs: tuple[Codec, ...]) -> dict | None:
+def carried(checkpoint: Mapping[str, Any]) -> list[str]:
     """The entries of a second save at one step that its pointer carries (lightning.py's module docstring)."""
-    small = {k: v for k, v in checkpoint.items() if k not in BULK and tensor_bytes(v) <= MAX_OVERRIDE_BYTES}
+    return [k for k, v in checkpoint.items() if k not in BULK and tensor_bytes(v) <= MAX_OVERRIDE_BYTES]
+
+
+def overrides(checkpoint: Mapping[str, Any], target: str, codecs: tuple[Codec, ...]) -> dict | None:
+    """The carried() entries of `checkpoint`, encoded (None: none)."""
+    small = {k: checkpoint[k] for k in carried(checkpoint)}
     if not small:
         return None
     try:
         return encode_entries(small, codecs)
     except StateError as exc:
         raise StateError(f"{exc} (saving {target}){namespaces_hint(exc, checkpoint)}. {CODEC_HINT}") from exc
+
+
+def narrowed(pointer: Any, own: Mapping[str, Any], keys: Sequence[str], codecs: tuple[Codec, ...]) -> tuple[dict | None, tuple[str, ...]]:
+    """(overrides, keys) of a pointer whose step is saved again with more entries (_lightning_same_step.py): it keeps
+    its own entries (`keys`, or the old step's) and the values the old step held for the small ones (`own`)."""
+    keys = tuple(pointer.keys or keys)
+    extra = {} if pointer.overrides is None else decode_entries(pointer.overrides, codecs, "a pointer file")
+    small = {k: v for k, v in {**own, **extra}.items() if k in keys}
+    return (encode_entries(small, codecs) if small else None), keys
+
+
+def check_options(local_dir: Any, options: dict[str, Any], manager_signature: Any) -> None:
+    """LightningCheckpointIO(local_dir, **options): refuse what cannot work; keep_local defaults to None."""
+    if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir) or "://" in str(local_dir):
+        raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a local directory (remote=... takes a URL)")
+    if "read_only" in options:
+        raise CheckpointConfigError("LightningCheckpointIO writes checkpoints: read_only is not an option here; "
+                                    "checkpointing.load(dir) reads a step without writing")
+    try:
+        manager_signature.bind(None, local_dir, **options)
+    except TypeError as exc:
+        raise CheckpointConfigError(f"LightningCheckpointIO(..., **manager_options): {exc}; see help(CheckpointManager)") from None
+    options.setdefault("keep_local", None)
+    if options["keep_local"] is not None:
+        log.warning("checkpointing: LightningCheckpointIO with keep_local=%r may delete steps ModelCheckpoint still lists; "
+                    "ModelCheckpoint(save_top_k=...) decides what is kept when keep_local=None", options["keep_local"])
 
 
 def check_one_writer(options: Mapping[str, Any]) -> None:

@@ -13,43 +13,11 @@ the background. The manager opens after the first optimizer step (or at the firs
 `teardown` (end of fit/validate/test) waits until every save is durable and its pointers written,
 deletes what Lightning removed, closes the manager and raises the error of a failed save.
 
-Paths and steps. Our steps are numbered by the checkpoint's `global_step`. At each path Lightning
-saves to we write a small JSON *pointer file* (_lightning_pointer.py: our directory, the step, the
-save's id) once the step is committed (from the save handle's done callback). ModelCheckpoint's
-existence checks and `ckpt_path="last"` (the newest `last*.ckpt` in its dirpath, by mtime) see only
-pointers, hence only committed steps: `last` never resolves to a half-written step, and after a
-crash the previous pointers are still in place.
-
-A second save at a global step this object saved already (`last.ckpt` after `epoch=0-step=100.ckpt`)
-saves nothing (steps are immutable; weights and optimizer state are the same at one global step): it
-records an alias, whose pointer also carries the small entries that may differ (ModelCheckpoint sets
-`last_model_path` just before it saves `last.ckpt`): every entry but `state_dict` and
-`optimizer_states` with at most 1 MiB of tensors. Loading a path returns what Lightning gave for it.
-
-remove_checkpoint(path) removes the pointer (or the alias waiting for its commit); an overwritten
-pointer (`last.ckpt` moves on) releases its old step too. The step goes (mgr.delete, reference-safe)
-once no pointer in a folder pointers to this directory were ever written in (`lightning-dirs.json`) or
-this object read from, and no alias waiting, names it, at the next call (or teardown) with no save in
-flight. Until then `lightning-released.json` lists it (written before the pointer moves off): after a
-crash the next run deletes it.
-
-A save at a step an earlier run committed, other than the step this object loaded (a resume from
-an older checkpoint trains over newer steps), replaces it, as Torch's IO overwrites a file: the old
-step is deleted (this waits for the saves in flight) and the pointers naming it are removed; a
-pointer elsewhere that names the old save is refused at load (its save id does not match).
-
-Never pickles. Non-tensor entries (hyper-parameters, loops and callbacks' state, schedulers) go
-into the manifest's JSON tree (tuples, int keys, non-finite floats kept); argparse.Namespace and
-pathlib paths through codecs of _lightning_values.py; anything else is refused at save_checkpoint
-with its key and the fix (`codecs=[...]`, or leave it out of the hyper-parameters). Each step also
-holds `_lightning_checkpoint_io: {"save_id": ...}` (checkpointing.load shows it; load_checkpoint drops it).
-
-Inference: `MyModule.load_from_checkpoint(path)` torch.loads the pointer and fails: `io.load_module(MyModule, path, **kw)`.
-
-Limits: a pointer copied by hand to another folder does not keep its step. ModelCheckpoint(save_last="link")
-replaces `last.ckpt` by a link without remove_checkpoint, so the old pointer's step stays on disk (save_last=True
-costs only a pointer here anyway). Lightning saves from global rank 0 only: under DDP the manager runs on a process
-group of rank 0 alone, made on every rank at the first step (or pass process_group=torch.distributed.new_group([0])).
+Paths and steps (docs/design.md, "The Lightning plugin"): steps are numbered by `global_step`; at each
+path Lightning saves to a small JSON *pointer file* (_lightning_pointer.py) names the step once it is
+committed, so `ckpt_path="last"` never resolves to a half-written step. A second save at one global
+step is an alias of the step where it can be (_lightning_same_step.py); removed pointers release their
+steps, deleted once nothing names them. Never pickles. For inference, `io.load_module(MyModule, path)`.
 """
 
 from __future__ import annotations
@@ -68,9 +36,10 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import checkpointing
-from checkpointing.errors import (CheckpointConfigError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError,
-                                  CheckpointUploadError, StateError)
+from checkpointing.errors import (CheckpointConfigError, CheckpointError, CheckpointNotFoundError,
+                                  CheckpointSaveError, CheckpointUploadError, StateError)
 from checkpointing.integrations import _lightning_pointer as ptr
+from checkpointing.integrations import _lightning_same_step as same
 from checkpointing.integrations import _lightning_values as vals
 from checkpointing.integrations._lightning_module import module_from
 from checkpointing.manager import CheckpointManager, SaveHandle
@@ -93,19 +62,7 @@ class LightningCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, local_dir: str | os.PathLike, *, codecs: Sequence[Codec] = (), **manager_options: Any) -> None:
-        if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir) or "://" in str(local_dir):
-            raise CheckpointConfigError(f"local_dir={local_dir!r} is invalid: pass a local directory (remote=... takes a URL)")
-        if "read_only" in manager_options:
-            raise CheckpointConfigError("LightningCheckpointIO writes checkpoints: read_only is not an option here; "
-                                        "checkpointing.load(dir) reads a step without writing")
-        try:
-            inspect.signature(CheckpointManager.__init__).bind(None, local_dir, **manager_options)
-        except TypeError as exc:
-            raise CheckpointConfigError(f"LightningCheckpointIO(..., **manager_options): {exc}; see help(CheckpointManager)") from None
-        manager_options.setdefault("keep_local", None)
-        if manager_options["keep_local"] is not None:
-            log.warning("checkpointing: LightningCheckpointIO with keep_local=%r may delete steps ModelCheckpoint still lists; "
-                        "ModelCheckpoint(save_top_k=...) decides what is kept when keep_local=None", manager_options["keep_local"])
+        vals.check_options(local_dir, manager_options, inspect.signature(CheckpointManager.__init__))
         self.directory = os.path.abspath(os.fspath(local_dir))
         self._options = manager_options
         self._codecs = vals.with_codecs(codecs)
@@ -128,7 +85,7 @@ class LightningCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ CheckpointIO
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Snapshot `checkpoint` as step checkpoint["global_step"] (an alias if this object saved that step); returns after the snapshot."""
+        """Snapshot `checkpoint` as step checkpoint["global_step"] (an alias where this object saved it); returns after the snapshot."""
         if storage_options is not None:
             raise CheckpointConfigError("LightningCheckpointIO.save_checkpoint takes no storage_options: pass the manager's "
                                         "options to LightningCheckpointIO(dir, ...) instead")
@@ -144,14 +101,16 @@ class LightningCheckpointIO(CheckpointIO):
         with self._lock:
             self._dirs.add(os.path.dirname(target))
             known = self._steps.get(step)
-        if known is not None:
-            self._add_alias(target, step, known, vals.overrides(checkpoint, target, self._codecs))
+        plan = self._at_saved_step(checkpoint, target, step, known) if known is not None else ({}, {})
+        if plan is None:
             return
+        held, repoint = plan
         if step in self._on_disk:
             self._replace(step)
-        entry = ptr.PointedStep(ptr.new_save_id(), committed=False)
+        content = {**checkpoint, **held}
+        entry = ptr.PointedStep(ptr.new_save_id(), committed=False, keys=tuple(content), marks=same.marks(content))
         try:
-            entry.handle = mgr.save(step, {**checkpoint, ID_KEY: {"save_id": entry.save_id}})
+            entry.handle = mgr.save(step, {**content, ID_KEY: {"save_id": entry.save_id}})
         except StateError as exc:
             raise StateError(f"{exc}{vals.namespaces_hint(exc, checkpoint)}. {vals.CODEC_HINT}") from exc
         except CheckpointSaveError as exc:  # an earlier save failed: the manager reports it here
@@ -161,7 +120,8 @@ class LightningCheckpointIO(CheckpointIO):
         with self._lock:
             self._steps[step] = entry
             self._on_disk.add(step)
-        self._add_alias(target, step, entry, None)
+            entry.pending.update(repoint)
+        self._add_alias(target, step, entry, None, tuple(checkpoint) if held else None)
         entry.handle.add_done_callback(functools.partial(self._settle, step, entry))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -183,18 +143,21 @@ class LightningCheckpointIO(CheckpointIO):
             entry = self._steps.get(pointer.step) if ours else None
         if entry is not None and entry.handle is not None and not entry.handle.done():
             entry.handle.wait()  # a save of this step in flight here: load it once committed
-        tree = self._load_step(directory, pointer.step, target)
+        extra = {} if pointer.overrides is None else vals.decode_entries(pointer.overrides, self._codecs, target)
+        tree = self._load_step(directory, pointer.step, target, None if pointer.keys is None else [k for k in pointer.keys if k not in extra])
         saved = tree.pop(ID_KEY, None)
         if not isinstance(saved, dict) or saved.get("save_id") != pointer.save_id:
             raise CheckpointError(f"{target} names step {pointer.step} of {directory} as saved by save {pointer.save_id}, "
                                   "but that step was replaced by another save since (a run resumed from an older checkpoint "
                                   "saved it again): load another checkpoint, or delete this pointer file")
-        if pointer.overrides is not None:
-            tree.update(vals.decode_entries(pointer.overrides, self._codecs, target))
+        keys = tuple(tree) if pointer.keys is None else None  # the step's entries, when all were read
+        tree.update(extra)
+        if pointer.keys is not None:
+            tree = {k: tree[k] for k in pointer.keys if k in tree}
         with self._lock:
             self._dirs.add(os.path.dirname(target))
             if ours:
-                self._steps.setdefault(pointer.step, ptr.PointedStep(pointer.save_id))
+                self._steps.setdefault(pointer.step, ptr.PointedStep(pointer.save_id, keys=keys))
         return vals.placed(tree, map_location)
 
     def load_module(self, cls: type, path: Any, **kwargs: Any) -> Any:
@@ -240,6 +203,7 @@ class LightningCheckpointIO(CheckpointIO):
                 for entry in entries:
                     if entry.handle is not None:
                         entry.settled.wait()  # its done callback wrote its pointers
+                    entry.earlier_fit = True
                 self._collect()
             finally:
                 self._mgr = None
@@ -282,7 +246,7 @@ class LightningCheckpointIO(CheckpointIO):
         if self._mgr is not None:
             ptr.write_released(self._mgr.storage, self._doomed & self._on_disk)
 
-    def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
+    def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None) -> None:
         """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
         with self._lock:
             for other, e in self._steps.items():
@@ -290,9 +254,9 @@ class LightningCheckpointIO(CheckpointIO):
                     del e.pending[target]
                     self._doomed.add(other)
             if entry.committed:
-                self._write(target, step, entry, overrides)
+                self._write(target, step, entry, overrides, keys)
             else:
-                entry.pending[target] = overrides
+                entry.pending[target] = (overrides, keys)
 
     def _settle(self, step: int, entry: ptr.PointedStep, handle: SaveHandle) -> None:
         """The done callback of a save (a background thread): write its pointers, or keep its error."""
@@ -304,8 +268,8 @@ class LightningCheckpointIO(CheckpointIO):
                 if error is None or isinstance(error, CheckpointUploadError):  # committed (an upload error leaves it local)
                     entry.committed = True
                     pending, entry.pending = entry.pending, {}
-                    for target, overrides in pending.items():
-                        self._write(target, step, entry, overrides)
+                    for target, (overrides, keys) in pending.items():
+                        self._write(target, step, entry, overrides, keys)
                 else:
                     entry.pending.clear()
                     self._on_disk.discard(step)
@@ -317,14 +281,14 @@ class LightningCheckpointIO(CheckpointIO):
         finally:
             entry.settled.set()
 
-    def _write(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None) -> None:
+    def _write(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None) -> None:
         """Write a pointer (the lock held); the step it replaces at `target` may go."""
         old = ptr.read_pointer_quietly(target)
         if old is not None and old.directory == self.directory and old.step != step:
             self._doomed.add(old.step)
             self._journal()
         try:
-            ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides))
+            ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides, keys))
         except OSError as exc:
             raise CheckpointError(f"cannot write the pointer file {target} for step {step} ({exc}); "
                                   f"the step is committed in {self.directory}") from exc
@@ -379,15 +343,51 @@ class LightningCheckpointIO(CheckpointIO):
             self._on_disk.discard(step)
             self._doomed.discard(step)
 
-    def _load_step(self, directory: str, step: int, target: str) -> dict[str, Any]:
-        """`step` of `directory`, or of our remote tier when it is ours and lacks the step (a replaced node)."""
-        try:
-            return checkpointing.load(directory, step, codecs=self._codecs)
-        except CheckpointNotFoundError as exc:
-            remote = self._options.get("remote")
-            if remote is None or directory != self.directory:
-                raise CheckpointNotFoundError(f"{target} names step {step} of {directory}, which is not there: {exc}") from exc
-        return checkpointing.load(remote, step, codecs=self._codecs, storage_options=self._options.get("storage_options"))
+    def _load_step(self, directory: str, step: int, target: str, keys: list[str] | None = None) -> dict[str, Any]:
+        remote = (self._options.get("remote"), self._options.get("storage_options")) if directory == self.directory else None
+        return ptr.load_step(directory, step, target, same.literal(keys) if keys else None, self._codecs, remote, ID_KEY)
+
+    def _at_saved_step(self, checkpoint: dict[str, Any], target: str, step: int, known: ptr.PointedStep) -> tuple[dict, dict] | None:
+        """A save at a step this object saved or loaded (_lightning_same_step.py): None once it is an alias; else
+        (the entries the step keeps besides `checkpoint`'s, {pointer path: (overrides, keys)} to write at its commit)."""
+        carried = set(vals.carried(checkpoint))
+        rest = [k for k in checkpoint if k not in carried]  # what an alias takes from the step
+        missing = [k for k in rest if known.keys is not None and k not in known.keys]
+        changed = set() if known.marks is None else same.differing(known.marks, checkpoint, [k for k in rest if k not in missing])
+        if (changed or missing) and not known.wait_committed():
+            return {}, {}  # its save failed (reported at the next call): a save like any other
+        if changed:  # a fresh copy per save, or a change: the bytes tell
+            saved = self._load_step(self.directory, step, target, sorted(changed))
+            changed = {k for k in changed if k not in saved or not same.equal(checkpoint[k], saved[k])}
+        if not changed and not missing:
+            self._add_alias(target, step, known, vals.overrides(checkpoint, target, self._codecs), tuple(checkpoint))
+            return None
+        if changed and not known.earlier_fit:
+            raise CheckpointConfigError(
+                f"LightningCheckpointIO: {target} is a second checkpoint at global_step {step}, and its {', '.join(sorted(changed))} "
+                f"differ from those step {step} of {self.directory} holds: they changed without an optimizer step. Steps are "
+                "numbered by global_step and hold one state each: save after the next optimizer step, or save this state "
+                "elsewhere (another LightningCheckpointIO directory, or Lightning's TorchCheckpointIO)")
+        with self._lock:
+            self._steps.pop(step, None)
+        return ({}, {}) if changed else self._fuller(step, known, checkpoint, carried)  # changed: an earlier fit's step is replaced
+
+    def _fuller(self, step: int, known: ptr.PointedStep, checkpoint: dict[str, Any], carried: set[str]) -> tuple[dict, dict]:
+        """The committed step `known` lacks entries `checkpoint` has: it is deleted, to be saved again with both.
+        Read back: its entries `checkpoint` lacks (kept) and its small ones (the old pointers carry them)."""
+        assert known.keys is not None  # a step that lacks entries is one whose entries are known
+        names = [k for k in known.keys if k not in checkpoint or k in carried]
+        old = self._load_step(self.directory, step, str(step), names) if names else {}
+        old.pop(ID_KEY, None)
+        own = {k: v for k, v in old.items() if k in checkpoint}
+        repoint = {path: vals.narrowed(pointer, own, known.keys, self._codecs) for folder in sorted(self._dirs)
+                   for path, pointer in ptr.scan(folder) if (pointer.directory, pointer.step, pointer.save_id) == (self.directory, step, known.save_id)}
+        assert self._mgr is not None
+        self._mgr.delete(step, allow_latest=True)
+        with self._lock:
+            self._on_disk.discard(step)
+            self._doomed.discard(step)
+        return {k: v for k, v in old.items() if k not in checkpoint}, repoint
 
     def _raise_errors(self, failure: BaseException | None = None) -> None:
         with self._lock:
