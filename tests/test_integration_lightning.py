@@ -233,6 +233,18 @@ def test_a_second_save_at_one_step_is_an_alias_only_of_unchanged_state(tmp_path,
     assert_same(io.load_checkpoint(ckpts / "new.ckpt")["state_dict"], other.state_dict())
 
 
+def test_a_large_callback_entry_that_differs_at_one_step_is_the_steps_with_a_warning(tmp_path, caplog):
+    io = LightningCheckpointIO(tmp_path / "store")
+    weights, ema = {"w": torch.ones(4)}, torch.zeros(1 << 19)  # 2 MiB of callback state: too large for a pointer
+    io.save_checkpoint({"global_step": 3, "state_dict": weights, "callbacks": {"ema": ema, "best": "a"}}, tmp_path / "a.ckpt")
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        io.save_checkpoint({"global_step": 3, "state_dict": weights, "callbacks": {"ema": ema, "best": "b"}}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert "callbacks (over 1 MiB) differ" in caplog.text
+    assert _steps(tmp_path / "store") == [3]
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["callbacks"]["best"] == "a"
+
+
 def test_a_pointer_without_keys_reads_as_one_naming_the_whole_step(tmp_path):
     io = LightningCheckpointIO(tmp_path / "store")
     io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(3)}, "epoch": 0}, tmp_path / "a.ckpt")

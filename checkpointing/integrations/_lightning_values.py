@@ -269,6 +269,20 @@ def narrowed(pointer: Any, own: Mapping[str, Any], keys: Sequence[str], codecs: 
     return (encode_entries(small, codecs) if small else None), keys
 
 
+def changed_in_place(target: str, step: int, directory: str, changed: set[str]) -> set[str]:
+    """A second save at one step of the same fit whose entries `changed` differ from the step's: refused where
+    they hold the weights or optimizer state; others (a large entry of a callback's) are the step's, with a warning."""
+    if changed & BULK:
+        raise CheckpointConfigError(
+            f"LightningCheckpointIO: {target} is a second checkpoint at global_step {step}, and its {', '.join(sorted(changed))} "
+            f"differ from those step {step} of {directory} holds: they changed without an optimizer step. Steps are "
+            "numbered by global_step and hold one state each: save after the next optimizer step, or save this state "
+            "elsewhere (another LightningCheckpointIO directory, or Lightning's TorchCheckpointIO)")
+    log.warning("checkpointing: %s: its %s (over 1 MiB) differ from those of step %d; its alias takes the step's",
+                target, ", ".join(sorted(changed)), step)
+    return set()
+
+
 def check_options(local_dir: Any, options: dict[str, Any], manager_signature: Any) -> None:
     """LightningCheckpointIO(local_dir, **options): refuse what cannot work; keep_local defaults to None."""
     if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir) or "://" in str(local_dir):

@@ -359,15 +359,11 @@ class LightningCheckpointIO(CheckpointIO):
         if changed:  # a fresh copy per save, or a change: the bytes tell
             saved = self._load_step(self.directory, step, target, sorted(changed))
             changed = {k for k in changed if k not in saved or not same.equal(checkpoint[k], saved[k])}
+        if changed and not known.earlier_fit:
+            changed = vals.changed_in_place(target, step, self.directory, changed)  # raises for weights or optimizer state
         if not changed and not missing:
             self._add_alias(target, step, known, vals.overrides(checkpoint, target, self._codecs), tuple(checkpoint))
             return None
-        if changed and not known.earlier_fit:
-            raise CheckpointConfigError(
-                f"LightningCheckpointIO: {target} is a second checkpoint at global_step {step}, and its {', '.join(sorted(changed))} "
-                f"differ from those step {step} of {self.directory} holds: they changed without an optimizer step. Steps are "
-                "numbered by global_step and hold one state each: save after the next optimizer step, or save this state "
-                "elsewhere (another LightningCheckpointIO directory, or Lightning's TorchCheckpointIO)")
         with self._lock:
             self._steps.pop(step, None)
         return ({}, {}) if changed else self._fuller(step, known, checkpoint, carried)  # changed: an earlier fit's step is replaced
