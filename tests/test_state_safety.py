@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 
+import checkpointing
 from checkpointing import CheckpointError, CheckpointManager, PickleCodec, StateError
 from checkpointing.state.tree import flatten_state
 
@@ -153,3 +154,45 @@ def _rewrite_manifest(root, step, old: str, new: str) -> None:
     marker["manifest_digest"] = "sha256:" + hashlib.sha256(data).hexdigest()
     commit.chmod(0o644)
     commit.write_bytes(canonical_json(marker))
+
+
+_FREED_AFTER_SAVE = r"""
+import sys, torch
+from checkpointing import CheckpointManager, CheckpointSaveError
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 8 x 4 MiB of weights
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with CheckpointManager(sys.argv[1], keep_local=None) as mgr:
+    for step in (1, 2):
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()  # the manager defers the copy of what the optimizer steps, to its next step()
+        reference = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = mgr.save(step, {"model": model})
+    for p in reversed(list(model.parameters())):
+        p.data.untyped_storage().resize_(0)  # freed after save() returned, as FSDP frees unsharded parameters
+    torch.save(reference, sys.argv[2])
+    try:
+        handle.wait()
+        print("saved")
+    except CheckpointSaveError as exc:
+        print("refused:", exc)
+"""
+
+
+def test_memory_freed_after_save_returns_fails_that_save_not_the_process(tmp_path):
+    """A storage resized to 0 before the background copy reached it is refused, never read after it was freed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FREED_AFTER_SAVE, str(tmp_path / "ck"), str(tmp_path / "ref.pt")],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]  # not a segmentation fault
+    assert out.stdout.startswith(("saved", "refused:")), out.stdout + out.stderr[-2000:]
+    if out.stdout.startswith("refused:"):
+        assert "freed or shrunk" in out.stdout and "wait_staged" in out.stdout
+    with CheckpointManager(tmp_path / "ck", read_only=True) as mgr:
+        assert mgr.steps() == ([1, 2] if out.stdout.startswith("saved") else [1])
+        if out.stdout.startswith("saved"):
+            loaded = checkpointing.load(tmp_path / "ck", 2)["model"]
+            reference = torch.load(tmp_path / "ref.pt")
+            assert all(torch.equal(loaded[k], reference[k]) for k in reference)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from checkpointing.errors import StateError
 from checkpointing.save.writewatch import WriteWatch
 
 _libc = ctypes.CDLL(None)
@@ -157,6 +158,7 @@ class Copier:
                 event.record(self.stream)
             self.events[i] = event
         else:
+            _check_alive(src, src_offset + length)
             dst, from_ = self.pool.address + pool_offset, src.data_ptr() + src_offset
             if compare and all(_memcmp(dst + o, from_ + o, n) == 0 for o, n in (pieces if pieces is not None else [(0, length)])):
                 return True
@@ -174,6 +176,16 @@ class Copier:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
+
+
+def _check_alive(src: torch.Tensor, end: int) -> None:
+    """Refuse to read past the memory a source holds now: a storage resized (to 0: freed, as FSDP does with
+    unsharded parameters) after save() returned would otherwise be read after it was freed."""
+    storage = src.untyped_storage()
+    if src.storage_offset() + end > storage.nbytes():
+        raise StateError(f"the memory of a tensor of this save was freed or shrunk (its storage resized to {storage.nbytes()} "
+                         "bytes) after save() returned and before the save copied it: keep the state's memory until the "
+                         "copy is done (handle.wait_staged()), or save with snapshot='eager'")
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
