@@ -31,7 +31,9 @@ from checkpointing import CheckpointManager, CheckpointNotFoundError, StateError
 from checkpointing.format import naming  # noqa: E402
 from checkpointing.integrations import _lightning_pointer as ptr  # noqa: E402
 from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: E402
-from checkpointing.storage import LocalStorage  # noqa: E402
+from checkpointing.storage import LocalStorage, RetryPolicy  # noqa: E402
+from faults import Fault, inject  # noqa: E402
+from s3_server import s3_bucket, s3_endpoint  # noqa: E402,F401 - fixtures
 
 STEPS_PER_EPOCH = 4
 EPOCHS = 4
@@ -192,57 +194,76 @@ def test_a_full_save_after_a_weights_only_one_at_the_same_step_resumes_bit_exact
     assert_same(_final_state(resumed, trainer), reference)
 
 
-def test_a_second_save_at_one_step_is_an_alias_only_of_unchanged_state(tmp_path, caplog):
-    """Called as Lightning calls it: a full save after a weights-only one, a weights-only one after a full one, a
-    fresh copy of the same weights (an alias), weights changed in place (refused), and a new fit of the plugin."""
+def test_saves_at_one_step_with_other_values_each_load_what_they_were_given(tmp_path):
+    """Called as Lightning calls it, all at global step 1: weights only, then in full (the step is saved again with
+    the optimizer state), a fresh copy of the same weights (an alias), weights changed in place, a callback entry
+    over 1 MiB that differs, and the plugin reused for a new run: one step holds them all, each path loads its own."""
     io = LightningCheckpointIO(tmp_path / "store")
     ckpts = tmp_path / "ckpts"
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
+    given: dict[str, dict] = {}
+
+    def save(name: str, checkpoint: dict) -> None:
+        given[name] = copy.deepcopy(checkpoint)
+        io.save_checkpoint(checkpoint, ckpts / name)
 
     def full(**extra: Any) -> dict:
         return {"global_step": 1, "state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], **extra}
 
-    io.save_checkpoint({"global_step": 1, "state_dict": model.state_dict(), "epoch": 0}, ckpts / "slim.ckpt")
-    io.save_checkpoint(full(epoch=1), ckpts / "full.ckpt")  # the step lacked the optimizer state: saved again
-    io.save_checkpoint({"global_step": 1, "state_dict": {k: v.clone() for k, v in model.state_dict().items()}}, ckpts / "copy.ckpt")
-    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": copy.deepcopy(opt.state_dict())}
+    save("slim.ckpt", {"global_step": 1, "state_dict": model.state_dict(), "epoch": 0})
+    save("full.ckpt", full(epoch=1))  # the step lacked the optimizer state: saved again with it
+    save("copy.ckpt", {"global_step": 1, "state_dict": {k: v.clone() for k, v in model.state_dict().items()}})  # an alias
+    io.manager.wait()
     with torch.no_grad():
-        model.weight.add_(1.0)  # changed without an optimizer step: a step cannot hold two states
-    with pytest.raises(checkpointing.CheckpointConfigError, match="weight.*global_step 1|global_step 1.*state_dict"):
-        io.save_checkpoint(full(), ckpts / "changed.ckpt")
+        model.weight.add_(1.0)  # changed without an optimizer step (an edit after fit, an averaged model)
+    save("changed.ckpt", full(callbacks={"ema": torch.arange(1 << 19), "best": "b"}))
+    save("changed-again.ckpt", full(callbacks={"ema": torch.arange(1 << 19), "best": "c"}))  # only a small value differs
+    io.teardown()
+    other = torch.nn.Linear(4, 2)  # the plugin reused for a new run that reaches the same global step
+    save("new.ckpt", {"global_step": 1, "state_dict": other.state_dict()})
     io.teardown()
     assert _steps(tmp_path / "store") == [1]
-    assert _pointers(ckpts) == {"slim.ckpt": 1, "full.ckpt": 1, "copy.ckpt": 1}
-    slim = io.load_checkpoint(ckpts / "slim.ckpt")
-    assert list(slim) == ["global_step", "state_dict", "epoch"] and slim["epoch"] == 0
-    assert_same(slim["state_dict"], saved["model"])
-    whole = io.load_checkpoint(ckpts / "full.ckpt")
-    assert whole["epoch"] == 1
-    assert_same(whole["optimizer_states"][0], saved["optim"])
-    assert list(io.load_checkpoint(ckpts / "copy.ckpt")) == ["global_step", "state_dict"]
+    assert sorted(_pointers(ckpts)) == sorted(given)
+    fresh = LightningCheckpointIO(tmp_path / "store")
+    for name, checkpoint in given.items():
+        assert_same(fresh.load_checkpoint(ckpts / name), checkpoint, name)
 
-    other = torch.nn.Linear(4, 2)  # the plugin reused for a new run at the same global step: the step is replaced
-    with caplog.at_level(logging.WARNING, logger="checkpointing"):
-        io.save_checkpoint({"global_step": 1, "state_dict": other.state_dict()}, ckpts / "new.ckpt")
+
+def test_a_failed_upload_is_logged_and_the_saves_go_on(tmp_path, s3_bucket, caplog):
+    """An object store that fails (an outage) does not stop training: each step commits locally and gets its pointer."""
+    url, options = s3_bucket
+    io = LightningCheckpointIO(tmp_path / "store", remote=url, storage_options=options)
+    weights = {"w": torch.zeros(4)}
+    io.save_checkpoint({"global_step": 1, "state_dict": weights}, tmp_path / "ckpts" / "s1.ckpt")
+    io.manager.wait()
+    io.manager.remote_storage.retry = RetryPolicy(attempts=2, base_s=0.001, cap_s=0.002)
+    inject(io.manager.remote_storage, Fault("*", "denied", times=-1))
+    with caplog.at_level(logging.ERROR, logger="checkpointing"):
+        for step in range(2, 6):
+            weights["w"] += 1
+            io.save_checkpoint({"global_step": step, "state_dict": weights}, tmp_path / "ckpts" / f"s{step}.ckpt")
+            io._steps[step].settled.wait(60)  # its upload failed before the next save
         io.teardown()
-    assert "saved by an earlier run" in caplog.text
-    assert _pointers(ckpts) == {"new.ckpt": 1}
-    assert_same(io.load_checkpoint(ckpts / "new.ckpt")["state_dict"], other.state_dict())
+    assert "upload" in caplog.text
+    assert _pointers(tmp_path / "ckpts") == {f"s{s}.ckpt": s for s in range(1, 6)}
+    assert torch.equal(io.load_checkpoint(tmp_path / "ckpts" / "s5.ckpt")["state_dict"]["w"], torch.full((4,), 4.0))
 
 
-def test_a_large_callback_entry_that_differs_at_one_step_is_the_steps_with_a_warning(tmp_path, caplog):
+def test_a_save_as_a_scripts_last_line_writes_its_pointers(tmp_path):
+    script = (f"import torch\nfrom checkpointing.integrations.lightning import LightningCheckpointIO\n"
+              f"io = LightningCheckpointIO({str(tmp_path / 'store')!r})\nw = {{'w': torch.randn(1 << 20)}}\n"
+              f"io.save_checkpoint({{'global_step': 4, 'state_dict': w}}, {str(tmp_path / 'slim.ckpt')!r})\n"
+              f"io.save_checkpoint({{'global_step': 4, 'state_dict': w, 'optimizer_states': [{{'m': torch.ones(1 << 20)}}]}}, "
+              f"{str(tmp_path / 'final.ckpt')!r})\ntorch.save(w, {str(tmp_path / 'w.pt')!r})\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=240)
     io = LightningCheckpointIO(tmp_path / "store")
-    weights, ema = {"w": torch.ones(4)}, torch.zeros(1 << 19)  # 2 MiB of callback state: too large for a pointer
-    io.save_checkpoint({"global_step": 3, "state_dict": weights, "callbacks": {"ema": ema, "best": "a"}}, tmp_path / "a.ckpt")
-    with caplog.at_level(logging.WARNING, logger="checkpointing"):
-        io.save_checkpoint({"global_step": 3, "state_dict": weights, "callbacks": {"ema": ema, "best": "b"}}, tmp_path / "b.ckpt")
-    io.teardown()
-    assert "callbacks (over 1 MiB) differ" in caplog.text
-    assert _steps(tmp_path / "store") == [3]
-    assert io.load_checkpoint(tmp_path / "b.ckpt")["callbacks"]["best"] == "a"
+    w = torch.load(tmp_path / "w.pt")["w"]
+    assert torch.equal(io.load_checkpoint(tmp_path / "slim.ckpt")["state_dict"]["w"], w)
+    final = io.load_checkpoint(tmp_path / "final.ckpt")
+    assert torch.equal(final["state_dict"]["w"], w) and torch.equal(final["optimizer_states"][0]["m"], torch.ones(1 << 20))
 
 
 def test_a_pointer_without_keys_reads_as_one_naming_the_whole_step(tmp_path):

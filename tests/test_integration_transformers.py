@@ -28,6 +28,7 @@ from checkpointing import CheckpointError, CheckpointManager, CheckpointMismatch
 from checkpointing.format import naming  # noqa: E402
 from checkpointing.integrations import _hf_markers as markers  # noqa: E402
 from checkpointing.integrations import transformers as ckpt_hf  # noqa: E402
+from checkpointing.integrations._hf_retention import BEST_STEP  # noqa: E402
 from checkpointing.integrations.transformers import SaveTotalLimit  # noqa: E402
 from checkpointing.plan.retention import StepInfo  # noqa: E402
 
@@ -323,6 +324,16 @@ def test_save_total_limit_policy_keeps_what_the_trainers_rotation_keeps(limit: i
     infos = [StepInfo(s, {"eval_loss": 1.0 if s == best else 2.0}) for s in steps]
     ours = SaveTotalLimit(limit, "eval_loss" if best is not None else None).kept(infos)
     assert sorted(ours) == theirs
+
+
+def test_save_total_limit_keeps_the_trainers_best_checkpoint_not_the_best_saved_metric() -> None:
+    """Evaluated more often than saved: the best metric fell at an unsaved step (6), so the Trainer's
+    best_model_checkpoint stays checkpoint-4 although step 8 logged a better metric than step 4."""
+    infos = [StepInfo(4, {BEST_STEP: 4.0, "eval_loss": 3.0}), StepInfo(8, {BEST_STEP: 4.0, "eval_loss": 2.0}),
+             StepInfo(12, {BEST_STEP: 4.0, "eval_loss": 2.5})]
+    assert SaveTotalLimit(2, "eval_loss").kept(infos) == {4, 12}
+    none_yet = [StepInfo(s, {BEST_STEP: -1.0, "eval_loss": float(s)}) for s in (4, 8, 12)]
+    assert SaveTotalLimit(2, "eval_loss").kept(none_yet) == {8, 12}
 
 
 _TWO_PROCESSES = r"""

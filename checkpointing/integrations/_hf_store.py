@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 import checkpointing
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, CheckpointUploadError
 from checkpointing.integrations import _hf_markers as markers
+from checkpointing.integrations._saving import save_past_upload_errors
 from checkpointing.manager import CheckpointManager, SaveHandle
 
 log = logging.getLogger("checkpointing")
@@ -117,7 +118,7 @@ class TrainerCheckpoints:
             text = _state_json(write_state_json, staging)
             contents = (*state, TRAINER_KEY)
             tree = {**state, TRAINER_KEY: {"state_json": text, "contents": ",".join(contents)}}
-            handle = mgr.save(step, tree, metrics=_metrics(metrics))
+            handle = save_past_upload_errors(mgr, step, tree, metrics=_metrics(metrics))
         except BaseException:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -134,7 +135,7 @@ class TrainerCheckpoints:
             error = handle.exception()
             committed = error is None or isinstance(error, CheckpointUploadError)  # an upload failure: committed locally
             with self._lock:
-                if error is not None:
+                if error is not None and not committed:  # a failed upload is logged (the manager did); training goes on
                     self._errors.setdefault(entry.step, error)
                 if entry.staging is not None:
                     if committed:

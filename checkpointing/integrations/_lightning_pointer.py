@@ -6,11 +6,12 @@ CheckpointManager directory and the id of the save that made it:
 
     {"lightning_checkpoint_io": 1, "directory": "/abs/ckpt", "step": 100, "save_id": "9f0c...",
      "overrides": null | {"tree": <tree>, "tensors": [{"dtype": "float32", "shape": [], "data": <base64>}]},
-     "keys": null | ["state_dict", "epoch", ...]}
+     "keys": null | ["state_dict", "epoch", ...], "renames": null | {"state_dict": "state_dict@9f0c..."}}
 
 `overrides` holds the entries of a second save at one global step that the step itself does not
 (see lightning.py; encoded by _lightning_values.encode_entries); `keys`, the checkpoint's own entries
-in their order, where the step holds others too (_lightning_same_step.py); absent, it reads as null.
+in their order, where the step holds others too; `renames`, the step's entry holding a key's value where
+that is not the key itself (_lightning_same_step.py). Absent `keys` or `renames` read as null.
 Pointers are written atomically (a temporary file, fsync, rename, fsync of the directory) and start with their magic key, so a scan
 tells them from other files by their first bytes.
 """
@@ -45,6 +46,10 @@ class Pointer:
     save_id: str
     overrides: dict[str, Any] | None = None  # encode_entries() output, or None
     keys: tuple[str, ...] | None = None  # the entries loaded for it, in order; None: all the step's
+    renames: dict[str, str] | None = None  # key -> the step's entry that holds its value (None: each key's own)
+
+    def stored(self, key: str) -> str:
+        return key if self.renames is None else self.renames.get(key, key)
 
 
 def new_save_id() -> str:
@@ -54,7 +59,7 @@ def new_save_id() -> str:
 def write_pointer(path: str, pointer: Pointer) -> None:
     """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part."""
     body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
-            "overrides": pointer.overrides, "keys": None if pointer.keys is None else list(pointer.keys)}
+            "overrides": pointer.overrides, "keys": None if pointer.keys is None else list(pointer.keys), "renames": pointer.renames}
     _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
 
 
@@ -161,6 +166,7 @@ def read_pointer(path: str) -> Pointer | None:
         if obj.get(MAGIC) != VERSION:
             raise ValueError(f"version {obj.get(MAGIC)!r}; this library reads version {VERSION}")
         directory, step, save_id, overrides, keys = obj["directory"], obj["step"], obj["save_id"], obj["overrides"], obj.get("keys")
+        renames = obj.get("renames")
         if not isinstance(directory, str) or not isinstance(save_id, str) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("directory, step or save_id has the wrong type")
         if overrides is not None and not (isinstance(overrides, dict) and isinstance(overrides.get("tree"), dict)
@@ -168,10 +174,12 @@ def read_pointer(path: str) -> Pointer | None:
             raise ValueError("overrides must be null or {tree, tensors}")
         if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
             raise ValueError("keys must be null or a list of strings")
+        if renames is not None and not (isinstance(renames, dict) and all(isinstance(v, str) for v in renames.values())):
+            raise ValueError("renames must be null or an object of strings")
     except (UnicodeDecodeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is a damaged LightningCheckpointIO pointer file ({exc}): "
                               "delete it, or pass the path of another checkpoint") from None
-    return Pointer(directory, step, save_id, overrides, None if keys is None else tuple(keys))
+    return Pointer(directory, step, save_id, overrides, None if keys is None else tuple(keys), renames)
 
 
 def read_pointer_quietly(path: str) -> Pointer | None:
@@ -203,11 +211,11 @@ class PointedStep:
     save_id: str
     handle: Any = None  # its SaveHandle; None: committed before this object saw it
     committed: bool = True
-    pending: dict[str, tuple[dict | None, tuple[str, ...] | None]] = dataclasses.field(default_factory=dict)  # path -> (overrides, keys)
+    pending: dict[str, tuple[dict | None, tuple[str, ...] | None, dict | None]] = dataclasses.field(default_factory=dict)  # path -> (overrides, keys, renames)
     settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # done callback finished
     keys: tuple[str, ...] | None = None  # the entries the step holds (None: not known)
     marks: dict[str, list] | None = None  # _lightning_same_step.marks() of the save that made it (None: loaded)
-    earlier_fit: bool = False  # saved or loaded before the last teardown
+    optimizer_steps: int = -1  # same.optimizer_steps() at its save (-1: loaded)
 
     def in_flight(self) -> bool:
         return self.handle is not None and not self.settled.is_set()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -45,6 +45,13 @@ def equal(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - a type whose == does not answer a bool: not known equal
         return False
+
+
+def view_of(pointer: Any, step_keys: Sequence[str], own: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, str], tuple[str, ...]]:
+    """A pointer's own entries `own`, for each other key it loads the step's entry it reads, and its keys in order
+    (its own, else the step's)."""
+    keys = tuple(pointer.keys if pointer.keys is not None else step_keys)
+    return own, {k: pointer.stored(k) for k in keys if k not in own}, keys
 
 
 def literal(keys: Iterable[Any]) -> list[str] | None:

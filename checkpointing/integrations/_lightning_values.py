@@ -260,27 +260,15 @@ def overrides(checkpoint: Mapping[str, Any], target: str, codecs: tuple[Codec, .
         raise StateError(f"{exc} (saving {target}){namespaces_hint(exc, checkpoint)}. {CODEC_HINT}") from exc
 
 
-def narrowed(pointer: Any, own: Mapping[str, Any], keys: Sequence[str], codecs: tuple[Codec, ...]) -> tuple[dict | None, tuple[str, ...]]:
-    """(overrides, keys) of a pointer whose step is saved again with more entries (_lightning_same_step.py): it keeps
-    its own entries (`keys`, or the old step's) and the values the old step held for the small ones (`own`)."""
-    keys = tuple(pointer.keys or keys)
-    extra = {} if pointer.overrides is None else decode_entries(pointer.overrides, codecs, "a pointer file")
-    small = {k: v for k, v in {**own, **extra}.items() if k in keys}
-    return (encode_entries(small, codecs) if small else None), keys
-
-
-def changed_in_place(target: str, step: int, directory: str, changed: set[str]) -> set[str]:
-    """A second save at one step of the same fit whose entries `changed` differ from the step's: refused where
-    they hold the weights or optimizer state; others (a large entry of a callback's) are the step's, with a warning."""
-    if changed & BULK:
-        raise CheckpointConfigError(
-            f"LightningCheckpointIO: {target} is a second checkpoint at global_step {step}, and its {', '.join(sorted(changed))} "
-            f"differ from those step {step} of {directory} holds: they changed without an optimizer step. Steps are "
-            "numbered by global_step and hold one state each: save after the next optimizer step, or save this state "
-            "elsewhere (another LightningCheckpointIO directory, or Lightning's TorchCheckpointIO)")
-    log.warning("checkpointing: %s: its %s (over 1 MiB) differ from those of step %d; its alias takes the step's",
-                target, ", ".join(sorted(changed)), step)
-    return set()
+def repointed(own: Mapping[str, Any], reads: Mapping[str, str], keys: tuple[str, ...], old: Mapping[str, Any],
+              moved: Mapping[str, str], codecs: tuple[Codec, ...]) -> tuple[dict | None, tuple[str, ...], dict[str, str] | None]:
+    """(overrides, keys, renames) of a pointer whose step is saved again (_lightning_same_step.py): it keeps its
+    own entries `own`, and reads each other key's value (`reads`: key -> stored entry) from the old step's small
+    entries `old` (carried now), from the entry `moved` keeps it under, or from the new save (the same value)."""
+    small = {k: old[stored] for k, stored in reads.items() if stored in old and stored not in moved}
+    renames = {k: moved.get(stored, stored) for k, stored in reads.items() if k not in small and moved.get(stored, stored) != k}
+    entries = {**small, **own}
+    return (encode_entries(entries, codecs) if entries else None), keys, renames or None
 
 
 def check_options(local_dir: Any, options: dict[str, Any], manager_signature: Any) -> None:

@@ -22,7 +22,7 @@ steps, deleted once nothing names them. Never pickles. For inference, `io.load_m
 
 from __future__ import annotations
 
-import dataclasses
+import atexit
 import functools
 import inspect
 import logging
@@ -42,6 +42,7 @@ from checkpointing.integrations import _lightning_pointer as ptr
 from checkpointing.integrations import _lightning_same_step as same
 from checkpointing.integrations import _lightning_values as vals
 from checkpointing.integrations._lightning_module import module_from
+from checkpointing.integrations._saving import save_past_upload_errors
 from checkpointing.manager import CheckpointManager, SaveHandle
 from checkpointing.state.codecs import Codec
 
@@ -54,12 +55,9 @@ ID_KEY = "_lightning_checkpoint_io"  # stored in every step: {"save_id": ...}, c
 
 class LightningCheckpointIO(CheckpointIO):
     """A Lightning CheckpointIO that saves through a CheckpointManager in `local_dir` (see the module docstring).
-
-    `codecs`: checkpointing.Codec objects for hyper-parameter values that are not JSON-like (ours for
-    argparse.Namespace and pathlib paths are added). `manager_options`: CheckpointManager's keyword
-    options (remote=, storage_options=, incremental=, ...). keep_local defaults to None: Lightning's
-    ModelCheckpoint decides what is kept (a retention of our own could delete steps it still lists).
-    """
+    `codecs`: checkpointing.Codecs for hyper-parameter values that are not JSON-like (ours for argparse.Namespace and
+    pathlib paths are added). `manager_options`: CheckpointManager's keyword options (remote=, storage_options=, ...);
+    keep_local defaults to None: Lightning's ModelCheckpoint decides what is kept."""
 
     def __init__(self, local_dir: str | os.PathLike, *, codecs: Sequence[Codec] = (), **manager_options: Any) -> None:
         vals.check_options(local_dir, manager_options, inspect.signature(CheckpointManager.__init__))
@@ -110,7 +108,7 @@ class LightningCheckpointIO(CheckpointIO):
         content = {**checkpoint, **held}
         entry = ptr.PointedStep(ptr.new_save_id(), committed=False, keys=tuple(content), marks=same.marks(content))
         try:
-            entry.handle = mgr.save(step, {**content, ID_KEY: {"save_id": entry.save_id}})
+            entry.handle = save_past_upload_errors(mgr, step, {**content, ID_KEY: {"save_id": entry.save_id}})
         except StateError as exc:
             raise StateError(f"{exc}{vals.namespaces_hint(exc, checkpoint)}. {vals.CODEC_HINT}") from exc
         except CheckpointSaveError as exc:  # an earlier save failed: the manager reports it here
@@ -144,7 +142,8 @@ class LightningCheckpointIO(CheckpointIO):
         if entry is not None and entry.handle is not None and not entry.handle.done():
             entry.handle.wait()  # a save of this step in flight here: load it once committed
         extra = {} if pointer.overrides is None else vals.decode_entries(pointer.overrides, self._codecs, target)
-        tree = self._load_step(directory, pointer.step, target, None if pointer.keys is None else [k for k in pointer.keys if k not in extra])
+        stored = None if pointer.keys is None else [pointer.stored(k) for k in pointer.keys if k not in extra]
+        tree = self._load_step(directory, pointer.step, target, stored)
         saved = tree.pop(ID_KEY, None)
         if not isinstance(saved, dict) or saved.get("save_id") != pointer.save_id:
             raise CheckpointError(f"{target} names step {pointer.step} of {directory} as saved by save {pointer.save_id}, "
@@ -153,7 +152,7 @@ class LightningCheckpointIO(CheckpointIO):
         keys = tuple(tree) if pointer.keys is None else None  # the step's entries, when all were read
         tree.update(extra)
         if pointer.keys is not None:
-            tree = {k: tree[k] for k in pointer.keys if k in tree}
+            tree = {k: extra[k] if k in extra else tree[pointer.stored(k)] for k in pointer.keys if k in extra or pointer.stored(k) in tree}
         with self._lock:
             self._dirs.add(os.path.dirname(target))
             if ours:
@@ -161,8 +160,7 @@ class LightningCheckpointIO(CheckpointIO):
         return vals.placed(tree, map_location)
 
     def load_module(self, cls: type, path: Any, **kwargs: Any) -> Any:
-        """`cls.load_from_checkpoint(path, **kwargs)` for a path this plugin saved to (inference; Lightning's
-        own reads the pointer file with torch.load and fails): _lightning_module.py."""
+        """`cls.load_from_checkpoint(path, **kwargs)` for a path this plugin saved to (Lightning's own torch.loads the pointer)."""
         return module_from(cls, self.load_checkpoint(path), **kwargs)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -184,13 +182,13 @@ class LightningCheckpointIO(CheckpointIO):
         self._collect()
 
     def teardown(self) -> None:
-        """Wait until every save is durable and its pointers are written, delete what was removed,
-        close the manager; raise the error of a failed save."""
+        """Wait until every save is durable and its pointers written, delete what was removed, close; raise a save's error."""
         opener, self._opener = self._opener, None
         if opener is not None:
             opener.remove()
         mgr, failure = self._mgr, None
         if mgr is not None:
+            atexit.unregister(self._at_exit)
             try:
                 try:
                     mgr.wait()
@@ -203,7 +201,6 @@ class LightningCheckpointIO(CheckpointIO):
                 for entry in entries:
                     if entry.handle is not None:
                         entry.settled.wait()  # its done callback wrote its pointers
-                    entry.earlier_fit = True
                 self._collect()
             finally:
                 self._mgr = None
@@ -213,9 +210,8 @@ class LightningCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ internals
 
     def _arm(self) -> None:
-        """Open the manager after the next optimizer step (of global rank 0), not at the first save: a
-        manager that saw the optimizer step defers the copy of its state, so the first save costs the
-        loop no more than the later ones (opened at the first save, it copies the whole state at once)."""
+        """Open the manager after the next optimizer step (of global rank 0): a manager that saw the optimizer step
+        defers the copy of its state, so the first save costs the loop no more than the later ones."""
         if self._opener is not None:
             return
         me = weakref.ref(self)
@@ -236,17 +232,26 @@ class LightningCheckpointIO(CheckpointIO):
         if self._mgr is None:
             vals.check_one_writer(self._options)
             self._mgr = CheckpointManager(self.directory, codecs=self._codecs, **self._options)
+            atexit.register(self._at_exit)  # runs before the manager's own close at exit
             self._on_disk = set(self._mgr.steps())
             self._doomed |= ptr.read_released(self._mgr.storage) & self._on_disk  # an earlier run's, which stopped before deleting them
             self._dirs |= ptr.read_dirs(self._mgr.storage)  # the folders earlier runs' pointers are in: their steps stay
         return self._mgr
+
+    def _at_exit(self) -> None:
+        """A save_checkpoint as a script's last line: its pointers are written before the interpreter exits."""
+        try:
+            self.teardown()
+        except Exception as exc:  # noqa: BLE001 - exiting: report, do not raise
+            log.error("checkpointing: LightningCheckpointIO at exit: %s", exc)
 
     def _journal(self) -> None:
         """Record the doomed steps (the lock held) before a pointer moves off one: after a crash the next run deletes them."""
         if self._mgr is not None:
             ptr.write_released(self._mgr.storage, self._doomed & self._on_disk)
 
-    def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None) -> None:
+    def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None,
+                   renames: dict | None = None) -> None:
         """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
         with self._lock:
             for other, e in self._steps.items():
@@ -254,22 +259,22 @@ class LightningCheckpointIO(CheckpointIO):
                     del e.pending[target]
                     self._doomed.add(other)
             if entry.committed:
-                self._write(target, step, entry, overrides, keys)
+                self._write(target, step, entry, overrides, keys, renames)
             else:
-                entry.pending[target] = (overrides, keys)
+                entry.pending[target] = (overrides, keys, renames)
 
     def _settle(self, step: int, entry: ptr.PointedStep, handle: SaveHandle) -> None:
         """The done callback of a save (a background thread): write its pointers, or keep its error."""
         try:
             error = handle.exception()
             with self._lock:
-                if error is not None and step not in self._reported:
+                if error is not None and step not in self._reported and not isinstance(error, CheckpointUploadError):  # logged
                     self._errors.append(error)
                 if error is None or isinstance(error, CheckpointUploadError):  # committed (an upload error leaves it local)
                     entry.committed = True
                     pending, entry.pending = entry.pending, {}
-                    for target, (overrides, keys) in pending.items():
-                        self._write(target, step, entry, overrides, keys)
+                    for target, view in pending.items():
+                        self._write(target, step, entry, *view)
                 else:
                     entry.pending.clear()
                     self._on_disk.discard(step)
@@ -281,14 +286,15 @@ class LightningCheckpointIO(CheckpointIO):
         finally:
             entry.settled.set()
 
-    def _write(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None) -> None:
+    def _write(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None,
+               renames: dict | None = None) -> None:
         """Write a pointer (the lock held); the step it replaces at `target` may go."""
         old = ptr.read_pointer_quietly(target)
         if old is not None and old.directory == self.directory and old.step != step:
             self._doomed.add(old.step)
             self._journal()
         try:
-            ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides, keys))
+            ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides, keys, renames))
         except OSError as exc:
             raise CheckpointError(f"cannot write the pointer file {target} for step {step} ({exc}); "
                                   f"the step is committed in {self.directory}") from exc
@@ -336,10 +342,8 @@ class LightningCheckpointIO(CheckpointIO):
                     "older checkpoint): the old step and its pointer files are replaced", step, self.directory)
         self._mgr.delete(step, allow_latest=True)
         with self._lock:
-            for folder in self._dirs:
-                for path, pointer in list(ptr.scan(folder)):
-                    if pointer.directory == self.directory and pointer.step == step:
-                        os.remove(path)
+            for path in [path for folder in self._dirs for path, p in ptr.scan(folder) if (p.directory, p.step) == (self.directory, step)]:
+                os.remove(path)
             self._on_disk.discard(step)
             self._doomed.discard(step)
 
@@ -348,49 +352,49 @@ class LightningCheckpointIO(CheckpointIO):
         return ptr.load_step(directory, step, target, same.literal(keys) if keys else None, self._codecs, remote, ID_KEY)
 
     def _at_saved_step(self, checkpoint: dict[str, Any], target: str, step: int, known: ptr.PointedStep) -> tuple[dict, dict] | None:
-        """A save at a step this object saved or loaded (_lightning_same_step.py): None once it is an alias; else
-        (the entries the step keeps besides `checkpoint`'s, {pointer path: (overrides, keys)} to write at its commit)."""
+        """A save at a step this object saved or loaded (_lightning_same_step.py): None once it is an alias, else _resave()'s."""
         carried = set(vals.carried(checkpoint))
         rest = [k for k in checkpoint if k not in carried]  # what an alias takes from the step
         missing = [k for k in rest if known.keys is not None and k not in known.keys]
         changed = set() if known.marks is None else same.differing(known.marks, checkpoint, [k for k in rest if k not in missing])
         if (changed or missing) and not known.wait_committed():
             return {}, {}  # its save failed (reported at the next call): a save like any other
-        if changed:  # a fresh copy per save, or a change: the bytes tell
+        if changed:  # a fresh copy per save, or other values: the bytes tell
             saved = self._load_step(self.directory, step, target, sorted(changed))
             changed = {k for k in changed if k not in saved or not same.equal(checkpoint[k], saved[k])}
-        if changed and not known.earlier_fit:
-            changed = vals.changed_in_place(target, step, self.directory, changed)  # raises for weights or optimizer state
         if not changed and not missing:
             self._add_alias(target, step, known, vals.overrides(checkpoint, target, self._codecs), tuple(checkpoint))
             return None
         with self._lock:
             self._steps.pop(step, None)
-        return ({}, {}) if changed else self._fuller(step, known, checkpoint, carried)  # changed: an earlier fit's step is replaced
+        return self._resave(step, known, checkpoint, [k for k in rest if k not in changed])
 
-    def _fuller(self, step: int, known: ptr.PointedStep, checkpoint: dict[str, Any], carried: set[str]) -> tuple[dict, dict]:
-        """The committed step `known` lacks entries `checkpoint` has: it is deleted, to be saved again with both.
-        Read back: its entries `checkpoint` lacks (kept) and its small ones (the old pointers carry them)."""
-        assert known.keys is not None  # a step that lacks entries is one whose entries are known
-        names = [k for k in known.keys if k not in checkpoint or k in carried]
-        old = self._load_step(self.directory, step, str(step), names) if names else {}
+    def _resave(self, step: int, known: ptr.PointedStep, checkpoint: dict[str, Any], same_values: list[str]) -> tuple[dict, dict]:
+        """Delete the committed step `known`, to be saved again with `checkpoint` and what its pointers read that `checkpoint` has
+        not alike (`same_values`: its large entries equal to the step's); returns (those entries, {path: new pointer view})."""
+        pointers = [(path, p) for folder in sorted(self._dirs) for path, p in ptr.scan(folder)
+                    if (p.directory, p.step, p.save_id) == (self.directory, step, known.save_id)]
+        views = {path: same.view_of(p, known.keys or (), vals.decode_entries(p.overrides, self._codecs, path) if p.overrides else {})
+                 for path, p in pointers}
+        wanted = sorted({stored for _, reads, _ in views.values() for stored in reads.values()} - set(same_values))
+        old = self._load_step(self.directory, step, str(step), wanted) if wanted else {}
         old.pop(ID_KEY, None)
-        own = {k: v for k, v in old.items() if k in checkpoint}
-        repoint = {path: vals.narrowed(pointer, own, known.keys, self._codecs) for folder in sorted(self._dirs)
-                   for path, pointer in ptr.scan(folder) if (pointer.directory, pointer.step, pointer.save_id) == (self.directory, step, known.save_id)}
+        small = set(vals.carried(old))
+        moved = {name: (name if name not in checkpoint else f"{name}@{known.save_id}") for name in old if name not in small}
+        held = {moved[name]: old[name] for name in moved}
+        repoint = {path: vals.repointed(*view, old, moved, self._codecs) for path, view in views.items()}
         assert self._mgr is not None
         self._mgr.delete(step, allow_latest=True)
         with self._lock:
             self._on_disk.discard(step)
             self._doomed.discard(step)
-        return {k: v for k, v in old.items() if k not in checkpoint}, repoint
+        return held, repoint
 
     def _raise_errors(self, failure: BaseException | None = None) -> None:
         with self._lock:
             errors, self._errors = self._errors, []
             self._reported.clear()
-        errors = ([failure] if failure is not None else []) + errors
-        for extra in errors[1:]:
+        for extra in (errors := ([failure] if failure is not None else []) + errors)[1:]:
             log.error("checkpointing: LightningCheckpointIO: %s", extra)
         if errors:
             raise errors[0]

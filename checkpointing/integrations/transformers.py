@@ -21,7 +21,7 @@ What CheckpointingMixin overrides, and why (Trainer of transformers 5.x; the hoo
 - `_save_checkpoint`: the Trainer writes model, optimizer, scheduler, scaler and RNG files
   synchronously with torch.save, then rotates folders; here one asynchronous save, with the
   eval metrics logged at that step passed as the step's metrics (retention by metric).
-  `save_total_limit` (with the best checkpoint protected when `metric_for_best_model` is set) is
+  `save_total_limit` (with the Trainer's best_model_checkpoint protected, recorded with each step) is
   the manager's retention (SaveTotalLimit); folders follow their steps.
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`, `_load_rng_state`,
   `_load_best_model`: read the step in place (never torch.load: nothing is unpickled).
@@ -58,7 +58,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from checkpointing.errors import CheckpointConfigError, CheckpointMismatchError, CheckpointNotFoundError
 from checkpointing.integrations import _hf_markers as markers
-from checkpointing.integrations._hf_retention import SaveTotalLimit
+from checkpointing.integrations._hf_retention import BEST_STEP, SaveTotalLimit
 from checkpointing.integrations._hf_store import TrainerCheckpoints
 from checkpointing.manager import CheckpointManager
 from checkpointing.options import ManagerOptions
@@ -167,7 +167,8 @@ class CheckpointingMixin:
             state["rng"] = RNGState()
         if self.args.should_save:
             self._export_callback_states()
-        self.checkpoints.save(step, run_dir, state, metrics=_logged_at(self.state, step), write_state_json=self.state.save_to_json)
+        metrics = {BEST_STEP: float(_step_of(self.state.best_model_checkpoint)), **_logged_at(self.state, step)}  # first: always kept
+        self.checkpoints.save(step, run_dir, state, metrics=metrics, write_state_json=self.state.save_to_json)
 
     def _export_callback_states(self) -> None:
         """The state of stateful callbacks (and of TrainerControl) into TrainerState, as the Trainer does before it saves."""
@@ -254,6 +255,14 @@ def _retention(args: transformers.TrainingArguments) -> SaveTotalLimit | None:
 def _torch_optimizer(optimizer: Optimizer) -> Optimizer:
     """The optimizer that steps (Accelerate's wrapper holds it): what the manager's step guard watches."""
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _step_of(folder: str | None) -> int:
+    """The step of a checkpoint-<step> folder (the Trainer's best_model_checkpoint); -1 for none."""
+    try:
+        return int(os.path.basename(os.path.normpath(folder)).rsplit("-", 1)[1]) if folder else -1
+    except (IndexError, ValueError):
+        return -1
 
 
 def _logged_at(state: transformers.TrainerState, step: int) -> dict[str, float]:
