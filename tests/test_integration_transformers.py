@@ -258,6 +258,21 @@ def test_folder_lost_after_commit_is_rebuilt_from_the_step(interrupted: Path, re
     assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
 
 
+def test_a_checkpoint_folder_copied_into_another_run_is_refused(interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    """The folder is a pointer: copied beside another run's own step 8, it must not resume that run's weights."""
+    other = tmp_path / "other"
+    shutil.copytree(reference["out"], other)
+    assert 8 in committed(other / "checkpointing")
+    shutil.copytree(interrupted / "checkpoint-8", other / "from-interrupted")
+    with pytest.raises(CheckpointError, match="another save made that step.*copy the output_dir"):
+        make(other).train(resume_from_checkpoint=str(other / "from-interrupted"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copytree(interrupted / "checkpoint-8", empty / "checkpoint-8")
+    with pytest.raises(CheckpointNotFoundError, match="copied from another run"):
+        make(empty / "out").train(resume_from_checkpoint=str(empty / "checkpoint-8"))
+
+
 def test_folders_not_written_by_us_are_refused(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out / "checkpoint-5").mkdir(parents=True)

@@ -196,3 +196,31 @@ def test_memory_freed_after_save_returns_fails_that_save_not_the_process(tmp_pat
             loaded = checkpointing.load(tmp_path / "ck", 2)["model"]
             reference = torch.load(tmp_path / "ref.pt")
             assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+
+
+def test_a_parameter_written_in_place_after_save_returns_fails_that_save_or_is_saved_as_it_was(tmp_path):
+    """An in-place write that is not the optimizer's step (which waits for the copy), made before the deferred copy
+    reached the tensor: the save fails naming it; never does the step hold the new values as the old ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outcomes = []
+    with CheckpointManager(tmp_path / "ck", keep_local=None) as mgr:
+        for step in range(1, 4):
+            model(torch.randn(2, 1024)).sum().backward()
+            opt.step()  # the copy of what the optimizer steps is deferred to its next step()
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            handle = mgr.save(step, {"model": model})
+            with torch.no_grad():
+                for p in reversed(list(model.parameters())):
+                    p.mul_(0.5)  # as a callback that edits the weights right after a checkpoint
+            try:
+                handle.wait()
+            except checkpointing.CheckpointSaveError as exc:
+                assert "written in place after save() returned" in str(exc) and "wait_staged" in str(exc)
+                outcomes.append("refused")
+                continue
+            outcomes.append("saved")
+            loaded = checkpointing.load(tmp_path / "ck", step)["model"]
+            assert all(torch.equal(loaded[k], before[k]) for k in before), "the step holds values written after save()"
+    assert "refused" in outcomes or outcomes == ["saved"] * 3

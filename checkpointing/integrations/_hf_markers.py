@@ -7,7 +7,8 @@ in each such folder only two small files:
 
     checkpoint-N/trainer_state.json   the Trainer's own file (TrainerState.save_to_json, at save time)
     checkpoint-N/checkpointing.json   {"transformers_checkpointing": 1, "directory": "../checkpointing",
-                                       "step": N, "contents": ["model", "optimizer", ...]}
+                                       "step": N, "contents": ["model", "optimizer", ...],
+                                       "save_id": "9f0c..."}  (the save that made the step; absent in older folders)
 
 `directory` is relative to the folder's parent when the CheckpointManager directory lies inside it
 (moving the whole output_dir keeps the pointers valid), else absolute.
@@ -48,6 +49,7 @@ class Pointer:
     directory: str
     step: int
     contents: tuple[str, ...]
+    save_id: str | None = None  # the step's own record holds it too: a folder copied to another run is told apart
 
 
 def folder_name(step: int) -> str:
@@ -69,6 +71,8 @@ def publish(staging: str, folder: str, pointer: Pointer) -> None:
     if os.path.commonpath([directory, os.path.abspath(parent)]) == os.path.abspath(parent):
         directory = os.path.relpath(directory, parent)
     body = {MAGIC: VERSION, "directory": directory, "step": pointer.step, "contents": list(pointer.contents)}
+    if pointer.save_id is not None:
+        body["save_id"] = pointer.save_id
     with open(os.path.join(staging, POINTER_NAME), "w", encoding="utf-8") as f:
         f.write(json.dumps(body, sort_keys=True) + "\n")
     for name in os.listdir(staging):
@@ -98,9 +102,12 @@ def read_pointer(folder: str) -> Pointer | None:
             raise ValueError("directory or step has the wrong type")
         if not isinstance(contents, list) or not all(isinstance(c, str) for c in contents):
             raise ValueError("contents must be a list of strings")
+        save_id = obj.get("save_id")
+        if save_id is not None and not isinstance(save_id, str):
+            raise ValueError("save_id must be a string")
     except (UnicodeDecodeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{path} is damaged ({exc}): delete the folder {folder}, or resume from another checkpoint") from None
-    return Pointer(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(folder)), directory)), step, tuple(contents))
+    return Pointer(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(folder)), directory)), step, tuple(contents), save_id)
 
 
 def read_pointer_quietly(folder: str) -> Pointer | None:

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import shutil
+import secrets
 import tempfile
 import threading
 from typing import Any, Callable, Mapping, Sequence
@@ -43,7 +44,7 @@ from checkpointing.manager import CheckpointManager, SaveHandle
 
 log = logging.getLogger("checkpointing")
 
-TRAINER_KEY = "trainer"  # {"state_json": <trainer_state.json text>, "contents": "model,optimizer,..."} in every step
+TRAINER_KEY = "trainer"  # {"state_json": <trainer_state.json text>, "contents": "model,optimizer,...", "save_id": ...} in every step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class _Saving:
     folder: str
     staging: str | None
     contents: tuple[str, ...]
+    save_id: str
     settled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -116,14 +118,14 @@ class TrainerCheckpoints:
         staging = markers.stage(run_dir, step) if self._markers else None
         try:
             text = _state_json(write_state_json, staging)
-            contents = (*state, TRAINER_KEY)
-            tree = {**state, TRAINER_KEY: {"state_json": text, "contents": ",".join(contents)}}
+            contents, save_id = (*state, TRAINER_KEY), secrets.token_hex(8)
+            tree = {**state, TRAINER_KEY: {"state_json": text, "contents": ",".join(contents), "save_id": save_id}}
             handle = save_past_upload_errors(mgr, step, tree, metrics=_metrics(metrics))
         except BaseException:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        entry = _Saving(step, os.path.join(run_dir, markers.folder_name(step)), staging, contents)
+        entry = _Saving(step, os.path.join(run_dir, markers.folder_name(step)), staging, contents, save_id)
         with self._lock:
             self._saving[step] = entry
         handle.add_done_callback(functools.partial(self._settle, entry))
@@ -139,7 +141,7 @@ class TrainerCheckpoints:
                     self._errors.setdefault(entry.step, error)
                 if entry.staging is not None:
                     if committed:
-                        markers.publish(entry.staging, entry.folder, markers.Pointer(self.root, entry.step, entry.contents))
+                        markers.publish(entry.staging, entry.folder, markers.Pointer(self.root, entry.step, entry.contents, entry.save_id))
                         self._published[entry.step] = entry.folder
                     else:
                         shutil.rmtree(entry.staging, ignore_errors=True)
@@ -204,11 +206,16 @@ class TrainerCheckpoints:
                                   "unpickles the Trainer's own files: resume it with transformers.Trainer, or resume from a "
                                   "checkpoint-N folder CheckpointingTrainer wrote")
         mgr = self._manager_for(pointer.directory, folder)
+        copied = (f" A checkpoint-N folder holds only a pointer to its run's {pointer.directory}: to move a checkpoint, copy "
+                  "the output_dir with its checkpointing folder, or `checkpointing export` the step")
         if pointer.step not in mgr.steps():
             raise CheckpointNotFoundError(
                 f"{folder} names step {pointer.step} of {pointer.directory}, which is not committed there (a save interrupted "
-                "by a crash, or a step deleted since): resume from another checkpoint folder, or pass "
-                "resume_from_checkpoint=True for the newest committed one")
+                "by a crash, a step deleted since, or a folder copied from another run): resume from another checkpoint "
+                f"folder, or pass resume_from_checkpoint=True for the newest committed one.{copied}")
+        if pointer.save_id is not None and _saved_by(pointer.directory, pointer.step) not in (None, pointer.save_id):
+            raise CheckpointError(f"{folder} names step {pointer.step} of {pointer.directory}, but another save made that "
+                                  f"step (the folder was copied from another run, or the step saved again since).{copied}")
         source = Source(folder, pointer.directory, pointer.step, frozenset(pointer.contents))
         self._sources[folder] = source
         return source
@@ -260,7 +267,7 @@ class TrainerCheckpoints:
             f.write(box[TRAINER_KEY]["state_json"])
         with self._lock:
             markers.publish(staging, os.path.join(output_dir, markers.folder_name(step)),
-                            markers.Pointer(self.root, step, tuple(box[TRAINER_KEY]["contents"].split(","))))
+                            markers.Pointer(self.root, step, tuple(box[TRAINER_KEY]["contents"].split(",")), box[TRAINER_KEY].get("save_id")))
 
     def restore(self, source: Source, state: Mapping[str, Any]) -> None:
         """Restore the keys of `state` from `source`'s step, in place."""
@@ -274,7 +281,8 @@ class TrainerCheckpoints:
             return self.open()
         if directory not in self._readers:
             if not os.path.isdir(directory):
-                raise CheckpointNotFoundError(f"{folder} names the checkpoint directory {directory}, which does not exist: "
+                raise CheckpointNotFoundError(f"{folder} names the checkpoint directory {directory}, which does not exist (a "
+                                              "folder copied from another run holds only a pointer to that run's directory): "
                                               "restore that directory, or resume from another checkpoint folder")
             self._readers[directory] = CheckpointManager(directory, read_only=True)
         return self._readers[directory]
@@ -363,6 +371,14 @@ def _state_json(write: Callable[[str], None], staging: str | None) -> str:
             return f.read()
     with tempfile.TemporaryDirectory() as tmp:
         return _state_json(write, tmp)
+
+
+def _saved_by(directory: str, step: int) -> str | None:
+    """The save id `step` of the manager directory records (None: not known here, such as a step on the remote tier only)."""
+    try:
+        return checkpointing.load(directory, step, keys=TRAINER_KEY, rank=0)[TRAINER_KEY].get("save_id")
+    except (CheckpointError, KeyError, AttributeError, TypeError):
+        return None
 
 
 def _metrics(values: Mapping[str, float]) -> dict[str, float]:

@@ -58,7 +58,8 @@ class PackWriter:
         self.stream: StreamWriter | None = None
         self.behind: WriteBehind | None = None
         self.write_block = write_block
-        self.copier = Copier(pool, [leaf.tensor for leaf in inputs.flat.leaves], inputs.start_event)
+        self.copier = Copier(pool, [leaf.tensor for leaf in inputs.flat.leaves], inputs.start_event,
+                             versions=[(leaf.key, leaf.version) for leaf in inputs.flat.leaves])
         n = len(self.plan.placements)
         self.digests = [""] * n
         self.same = [False] * n  # the pool already held these bytes (the base's), so they were not copied

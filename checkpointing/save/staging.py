@@ -125,8 +125,11 @@ class StagingPool:
 class Copier:
     """Copies byte ranges of source tensors into the pool; `ready(i)` blocks until copy i landed."""
 
-    def __init__(self, pool: StagingPool, sources: list[torch.Tensor], start_event: Any = None) -> None:
+    def __init__(self, pool: StagingPool, sources: list[torch.Tensor], start_event: Any = None,
+                 versions: list[tuple[str, int]] | None = None) -> None:
         self.pool = pool
+        self.originals = sources
+        self.versions = versions  # per source: (key, version counter at save(), or -1: not checked)
         self.sources = [_flat_bytes(t) for t in sources]
         # per source: its live bytes' address range where writes to them can be watched (pagewrites.py):
         # CPU memory the tensor itself owns (not a contiguous copy), not pinned (a device may write
@@ -161,9 +164,20 @@ class Copier:
             _check_alive(src, src_offset + length)
             dst, from_ = self.pool.address + pool_offset, src.data_ptr() + src_offset
             if compare and all(_memcmp(dst + o, from_ + o, n) == 0 for o, n in (pieces if pieces is not None else [(0, length)])):
+                self._check_unchanged(leaf)
                 return True
             ctypes.memmove(dst, from_, length)
+        self._check_unchanged(leaf)
         return False
+
+    def _check_unchanged(self, leaf: int) -> None:
+        """A deferred source written in place after save() returned (not by the optimizer's step, which waits
+        for the copy): what was copied may be the new values, so the save fails rather than keep them."""
+        if self.versions is None or self.versions[leaf][1] < 0 or self.originals[leaf]._version == self.versions[leaf][1]:
+            return
+        raise StateError(f"state[{self.versions[leaf][0]!r}] was written in place after save() returned and before the save "
+                         "copied it (not by the optimizer's step(), which waits for the copy): the save would hold the new "
+                         "values. Call handle.wait_staged() before writing it, or save with snapshot='eager'")
 
     def ready(self, i: int) -> None:
         event = self.events.pop(i, None)

@@ -40,6 +40,7 @@ class Leaf:
     tensor: torch.Tensor  # for a DTensor: its local shard
     deferred: bool  # True: copying may wait until the guard (only the optimizer step mutates it)
     layout: ShardLayout | None = None  # set for DTensor shards; None: a plain (per-rank) tensor
+    version: int = -1  # deferred: the tensor's version counter at save() (an in-place write bumps it); else -1
 
 
 @dataclasses.dataclass
@@ -229,7 +230,8 @@ class _Walker:
         if isinstance(deferred, frozenset):
             deferred = storage_ptr in deferred
         deferred = (deferred or storage_ptr in self.watched) and storage_ptr not in self._renormed
-        self.leaves.append(Leaf(key, t, bool(deferred) and not self.eager, layout))
+        deferred = bool(deferred) and not self.eager
+        self.leaves.append(Leaf(key, t, deferred, layout, t._version if deferred else -1))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1
 
