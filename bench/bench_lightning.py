@@ -122,7 +122,7 @@ def make_io(key: str, store: str):
         return None  # the strategy's default TorchCheckpointIO
     if key == "async":
         return AsyncCheckpointIO()  # the strategy fills in a TorchCheckpointIO
-    return LightningCheckpointIO(store)
+    return LightningCheckpointIO(store, snapshot="async")  # as the recorded runs (the plugin's default is now "eager")
 
 
 def fit_once(key: str, P, shape, scratch: str) -> dict:

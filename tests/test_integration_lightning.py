@@ -266,6 +266,41 @@ def test_a_save_as_a_scripts_last_line_writes_its_pointers(tmp_path):
     assert torch.equal(final["state_dict"]["w"], w) and torch.equal(final["optimizer_states"][0]["m"], torch.ones(1 << 20))
 
 
+def test_weights_written_through_data_right_after_a_save_are_not_what_it_holds(tmp_path):
+    """As WeightAveraging does at the end of fit (param.data.copy_, which no version counter sees): the
+    plugin's snapshot is eager, so the save holds the weights Lightning gave."""
+    io = LightningCheckpointIO(tmp_path / "store")
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):  # the plugin opens its manager after an optimizer step, as in fit, which then sees the next
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+    given = {k: v.clone() for k, v in model.state_dict().items()}
+    io.save_checkpoint({"global_step": 1, "state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]},
+                       tmp_path / "a.ckpt")
+    for p in reversed(list(model.parameters())):
+        p.data.zero_()
+    io.teardown()
+    assert_same(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"], given)
+
+
+def test_an_earlier_pointer_loads_while_its_step_is_saved_again_and_a_fresh_plugin_removes_steps(tmp_path):
+    io = LightningCheckpointIO(tmp_path / "store")
+    w = torch.zeros(1 << 19)
+    io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, tmp_path / "a.ckpt")
+    io.manager.wait()
+    w += 1  # in place, without an optimizer step: the step is saved again holding both
+    io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, tmp_path / "b.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], torch.zeros(1 << 19))
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"], torch.ones(1 << 19))
+    io.teardown()
+    cleanup = LightningCheckpointIO(tmp_path / "store")  # a script that only removes
+    cleanup.remove_checkpoint(tmp_path / "a.ckpt")
+    cleanup.remove_checkpoint(tmp_path / "b.ckpt")
+    cleanup.teardown()
+    assert _steps(tmp_path / "store") == []
+
+
 def test_a_pointer_without_keys_reads_as_one_naming_the_whole_step(tmp_path):
     io = LightningCheckpointIO(tmp_path / "store")
     io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(3)}, "epoch": 0}, tmp_path / "a.ckpt")

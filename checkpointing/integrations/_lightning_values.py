@@ -283,6 +283,7 @@ def check_options(local_dir: Any, options: dict[str, Any], manager_signature: An
     except TypeError as exc:
         raise CheckpointConfigError(f"LightningCheckpointIO(..., **manager_options): {exc}; see help(CheckpointManager)") from None
     options.setdefault("keep_local", None)
+    options.setdefault("snapshot", "eager")  # Lightning's callbacks write weights outside the optimizer step (docs/design.md)
     if options["keep_local"] is not None:
         log.warning("checkpointing: LightningCheckpointIO with keep_local=%r may delete steps ModelCheckpoint still lists; "
                     "ModelCheckpoint(save_top_k=...) decides what is kept when keep_local=None", options["keep_local"])

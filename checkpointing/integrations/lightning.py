@@ -80,8 +80,6 @@ class LightningCheckpointIO(CheckpointIO):
         """The open CheckpointManager (None before the first save and after teardown)."""
         return self._mgr
 
-    # ------------------------------------------------------------------ CheckpointIO
-
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Snapshot `checkpoint` as step checkpoint["global_step"] (an alias where this object saved it); returns after the snapshot."""
         if storage_options is not None:
@@ -139,8 +137,9 @@ class LightningCheckpointIO(CheckpointIO):
         ours = directory == self.directory
         with self._lock:
             entry = self._steps.get(pointer.step) if ours else None
-        if entry is not None and entry.handle is not None and not entry.handle.done():
-            entry.handle.wait()  # a save of this step in flight here: load it once committed
+        if entry is not None and entry.in_flight():  # a save of this step in flight here: load once it rewrote the pointers
+            entry.wait_committed()
+            pointer = ptr.read_pointer(target) or pointer
         extra = {} if pointer.overrides is None else vals.decode_entries(pointer.overrides, self._codecs, target)
         stored = None if pointer.keys is None else [pointer.stored(k) for k in pointer.keys if k not in extra]
         tree = self._load_step(directory, pointer.step, target, stored)
@@ -166,6 +165,8 @@ class LightningCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at `path`; its step goes once nothing refers to it (see the module docstring)."""
         target = vals.local_path(path)
+        if self._mgr is None and getattr(ptr.read_pointer_quietly(target), "directory", None) == self.directory:
+            self._open()  # a plugin that has not saved (a cleanup script): deleting the step needs the manager
         with self._lock:
             for step, entry in self._steps.items():
                 if target in entry.pending:
@@ -206,8 +207,6 @@ class LightningCheckpointIO(CheckpointIO):
                 self._mgr = None
                 mgr.close()
         self._raise_errors(failure)
-
-    # ------------------------------------------------------------------ internals
 
     def _arm(self) -> None:
         """Open the manager after the next optimizer step (of global rank 0): a manager that saw the optimizer step

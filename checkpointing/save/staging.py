@@ -170,6 +170,10 @@ class Copier:
         self._check_unchanged(leaf)
         return False
 
+    def check_all_unchanged(self) -> None:
+        for leaf in range(len(self.sources)):
+            self._check_unchanged(leaf)
+
     def _check_unchanged(self, leaf: int) -> None:
         """A deferred source written in place after save() returned (not by the optimizer's step, which waits
         for the copy): what was copied may be the new values, so the save fails rather than keep them."""
