@@ -35,7 +35,7 @@ class SaveTotalLimit(RetentionPolicy):
         protected = {ordered[-1].step}
         recorded = ordered[-1].metrics.get(BEST_STEP)
         best = self._best_by_metric(ordered) if recorded is None else (int(recorded) if recorded >= 0 else None)
-        if best is not None:
+        if best is not None and any(s.step == best for s in ordered):
             protected.add(best)
         others = [s.step for s in ordered if s.step not in protected]
         room = max(self.limit, len(protected)) - len(protected)
