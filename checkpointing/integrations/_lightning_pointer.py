@@ -12,8 +12,8 @@ CheckpointManager directory and the id of the save that made it:
 (see lightning.py; encoded by _lightning_values.encode_entries); `keys`, the checkpoint's own entries
 in their order, where the step holds others too; `renames`, the step's entry holding a key's value where
 that is not the key itself (_lightning_same_step.py). Absent `keys` or `renames` read as null.
-Pointers are written atomically (a temporary file, fsync, rename, fsync of the directory) and start with their magic key, so a scan
-tells them from other files by their first bytes.
+Pointers are written atomically (a temporary file, fsync, rename, fsync of the directory) and
+start with their magic key, so a scan tells them from other files by their first bytes.
 """
 
 from __future__ import annotations
@@ -215,7 +215,6 @@ class PointedStep:
     settled: threading.Event = dataclasses.field(default_factory=threading.Event)  # done callback finished
     keys: tuple[str, ...] | None = None  # the entries the step holds (None: not known)
     marks: dict[str, list] | None = None  # _lightning_same_step.marks() of the save that made it (None: loaded)
-    optimizer_steps: int = -1  # same.optimizer_steps() at its save (-1: loaded)
 
     def in_flight(self) -> bool:
         return self.handle is not None and not self.settled.is_set()

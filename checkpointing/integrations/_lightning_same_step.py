@@ -2,7 +2,8 @@
 
 The rules are in docs/design.md, "The Lightning plugin" (two saves at one global step): the marks that
 tell, without reading a byte, that a save's entries are those of the step (`marks`, `differing`), the
-byte comparison where a mark differs (`equal`), and load()'s patterns for top-level keys (`literal`).
+byte comparison where a mark differs (`equal`), what a pointer reads of its step (`view_of`), and
+load()'s patterns for top-level keys (`literal`).
 """
 
 from __future__ import annotations
