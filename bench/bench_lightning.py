@@ -62,6 +62,7 @@ CONFIGS = {
     "torch": "TorchCheckpointIO (Lightning's default: torch.save, no fsync)",
     "async": "AsyncCheckpointIO(TorchCheckpointIO) (clone, then torch.save in a thread)",
     "ours": "LightningCheckpointIO (CheckpointManager, snapshot=async, fsync)",
+    "ours_eager": "LightningCheckpointIO with its defaults (snapshot=eager, fsync)",
 }
 
 
@@ -122,7 +123,9 @@ def make_io(key: str, store: str):
         return None  # the strategy's default TorchCheckpointIO
     if key == "async":
         return AsyncCheckpointIO()  # the strategy fills in a TorchCheckpointIO
-    return LightningCheckpointIO(store, snapshot="async")  # as the recorded runs (the plugin's default is now "eager")
+    if key == "ours_eager":
+        return LightningCheckpointIO(store)  # the plugin's defaults: the state is copied before save_checkpoint returns
+    return LightningCheckpointIO(store, snapshot="async")
 
 
 def fit_once(key: str, P, shape, scratch: str) -> dict:
