@@ -130,7 +130,7 @@ class PackWriter:
                         self._staged(k, compare)
             elif opened is not None and n >= eager:
                 self._staged(i, compare)
-        self.copier.check_all_unchanged()  # again once all are copied: a write under way at a chunk's check has ended
+        self.copier.check_all_unchanged()
         if watched:
             self.pool.watch.completed()
         staging.staged_event = self.copier.last_event()

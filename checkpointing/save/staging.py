@@ -164,24 +164,20 @@ class Copier:
             _check_alive(src, src_offset + length)
             dst, from_ = self.pool.address + pool_offset, src.data_ptr() + src_offset
             if compare and all(_memcmp(dst + o, from_ + o, n) == 0 for o, n in (pieces if pieces is not None else [(0, length)])):
-                self._check_unchanged(leaf)
                 return True
             ctypes.memmove(dst, from_, length)
-        self._check_unchanged(leaf)
         return False
 
     def check_all_unchanged(self) -> None:
-        for leaf in range(len(self.sources)):
-            self._check_unchanged(leaf)
-
-    def _check_unchanged(self, leaf: int) -> None:
-        """A deferred source written in place after save() returned (not by the optimizer's step, which waits
-        for the copy): what was copied may be the new values, so the save fails rather than keep them."""
-        if self.versions is None or self.versions[leaf][1] < 0 or self.originals[leaf]._version == self.versions[leaf][1]:
-            return
-        raise StateError(f"state[{self.versions[leaf][0]!r}] was written in place after save() returned and before the save "
-                         "copied it (not by the optimizer's step(), which waits for the copy): the save would hold the new "
-                         "values. Call handle.wait_staged() before writing it, or save with snapshot='eager'")
+        """Once every chunk is copied (the guard still holds the optimizer): a deferred source written in place
+        since save() returned, by anything but the optimizer's step, may have been copied with its new values,
+        so the save fails rather than keep them. Version counters move only when a write ends, hence one check
+        at the end (a check per chunk would miss a write under way at it)."""
+        for (key, version), source in zip(self.versions or (), self.originals):
+            if version >= 0 and source._version != version:
+                raise StateError(f"state[{key!r}] was written in place after save() returned and before the save copied it "
+                                 "(not by the optimizer's step(), which waits for the copy): the save would hold the new "
+                                 "values. Call handle.wait_staged() before writing it, or save with snapshot='eager'")
 
     def ready(self, i: int) -> None:
         event = self.events.pop(i, None)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from checkpointing.tier import catalog
-from checkpointing.tier.identity import tier_id_of
 from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
 from checkpointing.format.manifest import ChunkHasher, ChunkRef, Manifest
 from checkpointing.storage import Storage
+from checkpointing.tier import catalog
+from checkpointing.tier.identity import tier_id_of
 
 PIECE_BYTES = 8 << 20  # the most verify holds of one chunk at a time
 
