@@ -126,7 +126,7 @@ class CheckpointManager:
         self.remote_storage: FsspecStorage | None = open_remote_tier(self.options, local_dir)
         self.storage = open_local_tier(local_dir, read_only=read_only, direct=direct_io, fsync=fsync, remote=remote is not None)
         self.directory = self.storage.root
-        self._coord: Coordinator = open_coordinator(self.storage, group, timeout_s=self.options.timeout_s)
+        self._coord: Coordinator = open_coordinator(self.storage, group, timeout_s=self.options.timeout_s, read_only=read_only)
         self.rank = self._coord.rank
         self.world_size = self._coord.world_size
         self._closed = False
@@ -151,7 +151,7 @@ class CheckpointManager:
         self._records = SaveRecords(self._acct, self._pool, rank=self.rank, world_size=self.world_size, local=str(self.directory),
                                     remote=self._remote_url())
         pending = PendingUploads()
-        writers = sum(1 for tier in coord.tiers if tier == coord.tiers[self.rank])  # ranks writing pack files to this tier
+        writers = 1 if options.read_only else sum(1 for tier in coord.tiers if tier == coord.tiers[self.rank])  # ranks writing pack files here
         retention = LocalRetention(self.storage, options.local_retention, enabled=coord.leader, in_flight=self._inflight.steps, pending=pending,
                                    held=self._peers.held, spares=writers)
         self._uploader: Uploader | None = None

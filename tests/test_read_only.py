@@ -22,7 +22,7 @@ import torch.optim.optimizer as torch_optimizer
 from s3_server import client, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 
 from _dist import run_ranks
-from checkpointing import CheckpointConfigError, CheckpointManager
+from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager
 from checkpointing.format import naming
 from checkpointing.options import ManagerOptions
 from checkpointing.storage import LocalStorage
@@ -169,6 +169,37 @@ def test_read_only_with_two_ranks(tmp_path):
     before = snapshot(d)
     assert run_ranks(_read_two, 2, str(d), tmp=tmp_path) == [True, True]
     assert snapshot(d) == before
+
+
+def _one_rank_looks(rank: int, world: int, d: str) -> list:
+    """Rank 0 alone looks at the steps with a read-only manager; then every rank restores read-only, then
+    saves with a writing manager (the managers of the ranks still match up); then rank 0 alone restores."""
+    seen = []
+    if rank == 0:
+        with CheckpointManager(d, read_only=True, timeout_s=60) as r:
+            seen += [r.steps(), r.latest_step(), sorted(r.tiers().items())]
+    with CheckpointManager(d, read_only=True, timeout_s=60) as r:
+        out = blank()
+        seen.append(r.restore(out) == 3 and same(out, state(3)))
+    with CheckpointManager(d, fsync=False, keep_local=None, timeout_s=60) as mgr:
+        mgr.save(4, state(4)).wait()
+        seen.append(mgr.steps())
+    if rank == 0:
+        with CheckpointManager(d, read_only=True, timeout_s=3) as r:
+            assert r.latest_step() == 4
+            with pytest.raises(CheckpointError, match=r"first restore\(\), a collective call .* checkpointing.load") as caught:
+                r.restore(blank())
+            seen.append(type(caught.value).__name__)
+    return seen
+
+
+def test_read_only_on_one_rank_of_a_job_lists_without_the_others(tmp_path):
+    """Opening a read-only manager and listing meet no other rank; only restore() is collective."""
+    d = tmp_path / "ck"
+    run_ranks(_write_two, 2, str(d), tmp=tmp_path)
+    first, second = run_ranks(_one_rank_looks, 2, str(d), tmp=tmp_path)
+    assert first == [[1, 2, 3], 3, [(1, "local"), (2, "local"), (3, "local")], True, [1, 2, 3, 4], "CoordinationTimeout"]
+    assert second == [True, [1, 2, 3, 4]]
 
 
 def _objects(url: str) -> list[tuple]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from checkpointing.dist.deferred import DeferredCoordinator
 from checkpointing.dist.remote_commit import LocalTierCommitter
 from checkpointing.dist.restore_agreement import RestoreView, agreed_step
 from checkpointing.dist.keys import new_namespace
@@ -46,10 +47,13 @@ def resolve_group(process_group: Any) -> ProcessGroup | None:
     return None if world == 1 else process_group
 
 
-def open_coordinator(storage: LocalStorage, group: ProcessGroup | None, *, timeout_s: float) -> Coordinator:
-    """A manager's coordinator: one rank's without a group, else one over the store (a collective call)."""
+def open_coordinator(storage: LocalStorage, group: ProcessGroup | None, *, timeout_s: float, read_only: bool = False) -> Coordinator:
+    """A manager's coordinator: one rank's without a group, else one over the store (a collective call;
+    a read-only manager's meets the other ranks at its first restore: deferred.py)."""
     if group is None:
         return LocalCoordinator(storage)
+    if read_only:
+        return DeferredCoordinator(storage, group, timeout_s=timeout_s)
     namespace = new_namespace(str(getattr(group, "group_name", "") or "world"))
     return StoreCoordinator(storage, group, timeout_s=timeout_s, namespace=namespace)
 

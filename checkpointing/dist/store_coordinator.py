@@ -50,7 +50,8 @@ log = logging.getLogger("checkpointing")
 class StoreCoordinator:
     """Many ranks: parts, manifest and verdict travel through the store; rank 0 merges."""
 
-    def __init__(self, storage: LocalStorage, group: ProcessGroup, *, timeout_s: float, namespace: str) -> None:
+    def __init__(self, storage: LocalStorage, group: ProcessGroup, *, timeout_s: float, namespace: str,
+                 joining: str = "starting the checkpoint manager") -> None:
         import torch.distributed as dist
 
         self.storage = storage
@@ -67,7 +68,7 @@ class StoreCoordinator:
         # which ranks share a local tier: every rank publishes the id found in its directory
         self.store.set(keys.init_tier(self.rank), ensure_tier_id(storage))
         tier_keys = [keys.init_tier(r) for r in range(self.world_size)]
-        self._wait(tier_keys, time.monotonic() + timeout_s, "starting the checkpoint manager")
+        self._wait(tier_keys, time.monotonic() + timeout_s, joining)
         self.tiers = tuple(v.decode("ascii") for v in self.store.multi_get(tier_keys))
         self.leader = self.rank == min(r for r in range(self.world_size) if self.tiers[r] == self.tiers[self.rank])
         self.leaders = sorted({min(r for r in range(self.world_size) if self.tiers[r] == t) for t in self.tiers})
