@@ -98,10 +98,9 @@ class CheckpointUploadError(CheckpointSaveError):
         CheckpointError.__init__(
             self,
             f"upload of step {step} to the remote tier {remote} failed: {reason}. Step {step} is committed on the "
-            "local tier and restorable from there. In a job of one process the next save tries this upload again "
-            "first (until then local retention keeps the step); with several ranks the next save uploads its own "
-            "step only. A manager started on this directory resumes the upload of local steps newer than the "
-            "newest remote one.",
+            "local tier and restorable from there. The next save tries this upload again first (until then local "
+            "retention keeps the step; with several ranks, at most 3 times). A manager started on this directory "
+            "resumes the upload of local steps newer than the newest remote one.",
         )
 
 

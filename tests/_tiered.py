@@ -113,10 +113,46 @@ def upload_fails_on_one_rank(rank: int, world: int, base: str, url: str, options
         assert mgr.tiers() == {1: "local"}, mgr.tiers()
         if proxy is not None:
             proxy.faults.clear()
-        stats = mgr.save(2, {"x": x + 1}).wait()  # the next save uploads normally
+        stats = mgr.save(2, {"x": x + 1}).wait()  # the next save tries step 1's upload again first, then its own
         out.append(stats.tier)
         out.append(repr(mgr.tiers()))
     return out
+
+
+def uploads_tried_again(rank: int, world: int, base: str, url: str, options: dict) -> dict[str, Any]:
+    """Rank 1 gets 403s for saves 1-5, then none: every rank tries the same failed uploads again, in step, each at
+    most 3 times; save 6 uploads steps 3, 4 and 5 again (1 and 2 were tried too often) and its own. Step 7's upload
+    fails too, and delete(7) means that save 8 does not try it again."""
+    from faults import Fault, inject
+
+    from checkpointing import CheckpointUploadError
+
+    lines = _Lines()
+    logging.getLogger("checkpointing").addHandler(lines)
+    failed = []
+    with _manager(base, rank, url, options, keep_local=None) as mgr:
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1)) if rank == 1 else None
+        for step in range(1, 6):
+            try:
+                mgr.save(step, {"x": torch.full((1 << 16,), float(step + rank))}).wait()
+            except CheckpointUploadError as exc:
+                failed.append(exc.step)
+        if proxy is not None:
+            proxy.faults.clear()
+        mgr.save(6, {"x": torch.full((1 << 16,), 6.0 + rank)}).wait()
+        if proxy is not None:
+            proxy.faults.append(Fault("*", "denied", times=-1))
+        try:
+            mgr.save(7, {"x": torch.zeros(1 << 16)}).wait()
+        except CheckpointUploadError as exc:
+            failed.append(exc.step)
+        if proxy is not None:
+            proxy.faults.clear()
+        mgr.delete(7, allow_latest=True)  # a collective call: no rank tries step 7's upload again
+        mgr.save(8, {"x": torch.ones(1 << 16)}).wait()
+        mgr.wait()
+        again = [int(m.split("step ")[1].split()[0]) for m in lines.lines if m.startswith("checkpointing: trying the failed upload")]
+        return {"failed": failed, "again": again, "tiers": mgr.tiers()}
 
 
 def crash_then_resume(rank: int, world: int, base: str, url: str, options: dict, phase: str) -> Any:
@@ -138,3 +174,30 @@ def crash_then_resume(rank: int, world: int, base: str, url: str, options: dict,
         x = {"x": torch.zeros(1 << 18)}
         assert mgr.restore(x) == 1 and torch.equal(x["x"], torch.full((1 << 18,), float(rank)))
         return mgr.tiers()
+
+
+def uploads_out_of_order(rank: int, world: int, base: str, url: str, options: dict) -> str:
+    """Steps 1 and 2 committed locally on both nodes; rank 0 reports step 1 as an upload's number, rank 1 step 2:
+    rank 0 must fail that upload on every rank, never commit step 1 with rank 1's files missing."""
+    from checkpointing import CheckpointManager
+    from checkpointing.format.manifest import CommittedStep
+    from checkpointing.tier import catalog
+
+    with CheckpointManager(f"{base}/node{rank}", timeout_s=60, keep_local=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": torch.full((1 << 16,), float(step + rank))}).wait()
+        mine = 1 + rank
+        committed = CommittedStep.of(*catalog.committed_manifest(mgr.storage, mine))
+        remote = _remote(url, options)
+        committer = mgr._coord.remote_committer(mgr.storage, remote)
+        try:
+            committer.commit(99, committed, None, 0.0)
+            return "committed"
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            return f"{type(exc).__name__}: {exc}"
+
+
+def _remote(url: str, options: dict) -> Any:
+    from checkpointing.storage import FsspecStorage
+
+    return FsspecStorage(url, storage_options=options)

@@ -444,8 +444,30 @@ def test_an_upload_failing_on_one_rank_fails_the_step_remotely_on_every_rank(tmp
     results = run_ranks(_tiered.upload_fails_on_one_rank, 2, base, url, options, 1, tmp=tmp_path)
     for first, tier, tiers in results:
         assert "upload of step 1" in first and "rank 1:" in first and "AccessDenied" in first, first
-        assert tier == "local+remote" and tiers == repr({1: "local", 2: "local+remote"})
-    assert assert_remote_whole(remote_of(s3_bucket)) == [2]
+        assert tier == "local+remote" and tiers == repr({1: "local+remote", 2: "local+remote"})
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2]  # step 1's upload went again first, on every rank
+
+
+def test_failed_uploads_are_tried_again_by_every_rank_alike(tmp_path, s3_bucket):
+    """docs/design.md (retention, local): with several ranks a failed upload is tried again before each next save,
+    the same on every rank, at most 3 times; later uploads stay in step across the ranks."""
+    base, url, options = _bucket_args(s3_bucket, tmp_path)
+    results = run_ranks(_tiered.uploads_tried_again, 2, base, url, options, tmp=tmp_path)
+    assert results[0] == results[1]
+    # step s failed at save s and was tried again at saves s+1..s+3 while the faults lasted; save 6 retried 3, 4, 5
+    assert results[0]["failed"] == [1, 2, 3, 4, 5, 7]
+    assert sorted(results[0]["again"]) == sorted([1, 1, 1, 2, 2, 2, 3, 3, 4, 3, 4, 5])
+    assert results[0]["tiers"] == {1: "local", 2: "local", 3: "local+remote", 4: "local+remote", 5: "local+remote", 6: "local+remote",
+                                   8: "local+remote"}
+    assert assert_remote_whole(remote_of(s3_bucket)) == [3, 4, 5, 6, 8]
+
+
+def test_an_upload_whose_ranks_name_different_steps_is_never_committed(tmp_path, s3_bucket):
+    base, url, options = _bucket_args(s3_bucket, tmp_path)
+    results = run_ranks(_tiered.uploads_out_of_order, 2, base, url, options, tmp=tmp_path)
+    for got in results:
+        assert "UploadRanksFailed" in got and "rank 1: its upload #99 is step 2, rank 0's is step 1" in got, got
+    assert catalog.list_steps(remote_of(s3_bucket)).committed == []
 
 
 def test_injected_crash_is_not_a_storage_error():

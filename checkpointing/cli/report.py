@@ -49,7 +49,7 @@ _COLUMNS: tuple[tuple[str, str, str, int | None], ...] = (
 )
 _NOTES = {"stall_s": "stall: the loop blocked by the save", "slowdown_s": "slowdown: steps slowed while it ran",
           "upload_s": "upload: local commit to durable on the remote tier", "total_s": "total: save() to committed locally",
-          "overhead_pct": "overhead: stall + slowdown in % of the training time since the previous save"}
+          "overhead_pct": "overhead: wait prev + stall + slowdown in % of the training time since the previous save"}
 _PERCENTILES = ("p50", "p90", "p99", "max", "mean")
 
 

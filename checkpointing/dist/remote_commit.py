@@ -6,9 +6,10 @@ Every rank uploads its own data files of a step (save/uploader.py), then calls
 
     one rank      write the manifest, then COMMIT (exclusive create), on the remote tier
     many ranks    through the torch.distributed store, per upload number `seq` (keys.py):
-                    up/<seq>/<rank>    each rank's report: its files are up, or its error
+                    up/<seq>/<rank>    each rank's report: its files of the step it names are up, or its error
                     up/<seq>/status    rank 0's verdict after it committed the step (or why not)
-                  rank 0 waits for every report, checks that every data object is on the remote
+                  rank 0 waits for every report, checks that every report names its step (else the
+                  upload fails everywhere: a rank uploaded another step), that every data object is on the remote
                   tier with its size, copies its local manifest and COMMIT there, and publishes
                   the verdict; every rank waits for the verdict, so handle.wait() returns on each
                   rank only once the step is durable remotely.
@@ -75,7 +76,7 @@ class StoreTierCommitter:
 
     @store_errors
     def commit(self, seq: int, committed: CommittedStep, error: BaseException | None, transfer_s: float) -> None:
-        report = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
+        report = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}", "step": committed.step}
         self.store.set(keys.upload(seq, self.rank), json.dumps(report))
         deadline = time.monotonic() + self.timeout_s + 2 * transfer_s
         if self.rank == 0:
@@ -97,7 +98,10 @@ class StoreTierCommitter:
         else:
             for r, raw in enumerate(self.store.multi_get(reports)):
                 msg = json.loads(raw)
-                if not msg["ok"]:
+                if msg["step"] != committed.step:  # never commit a step some rank did not upload
+                    failures[r] = (f"its upload #{seq} is step {msg['step']}, rank 0's is step {committed.step}: "
+                                   "the ranks' uploads went out of order (a failed upload tried again on some ranks only)")
+                elif not msg["ok"]:
                     failures[r] = msg["error"]
         if seq > 0:  # every rank is past the previous upload: it waited for that verdict
             self._forget(seq - 1)

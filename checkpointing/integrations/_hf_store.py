@@ -40,6 +40,7 @@ import checkpointing
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, CheckpointUploadError
 from checkpointing.integrations import _hf_markers as markers
 from checkpointing.integrations._saving import save_past_upload_errors
+from checkpointing.integrations._tier_read import load_any_tier
 from checkpointing.manager import CheckpointManager, SaveHandle
 
 log = logging.getLogger("checkpointing")
@@ -255,13 +256,7 @@ class TrainerCheckpoints:
     def _rebuild(self, output_dir: str, step: int) -> None:
         """The folder of committed `step`, from the step's own record; read with load() (process 0 alone
         writes folders: a restore() would be a collective call), from the remote tier if need be."""
-        try:
-            box = checkpointing.load(self.root, step, keys=TRAINER_KEY, rank=0)
-        except CheckpointNotFoundError:
-            if self._options.get("remote") is None:
-                raise
-            box = checkpointing.load(self._options["remote"], step, keys=TRAINER_KEY, rank=0,
-                                     storage_options=self._options.get("storage_options"))
+        box = load_any_tier(self.root, step, self._options.get("remote"), self._options.get("storage_options"), keys=TRAINER_KEY, rank=0)
         staging = markers.stage(output_dir, step)
         with open(os.path.join(staging, markers.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(box[TRAINER_KEY]["state_json"])

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import checkpointing
 from checkpointing.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from checkpointing.integrations._tier_read import load_any_tier
 from checkpointing.storage import Storage
 
 MAGIC = "lightning_checkpoint_io"
@@ -75,16 +76,14 @@ def load_step(directory: str, step: int, target: str, keys: list[str] | None, co
               remote: tuple[str | None, Any] | None, id_key: str) -> dict[str, Any]:
     """`step` of the manager directory `directory` (its entries `keys` and `id_key`, or all), or of the
     manager's remote tier `remote` (url, storage_options) where the directory lacks it (a replaced node)."""
-    selected = {} if keys is None else {"keys": [*keys, id_key]}
-    tiers = [(directory, None)] + ([remote] if remote is not None and remote[0] else [])
-    for where, options in tiers:
+    url, options = remote if remote is not None else (None, None)
+    try:
         try:
-            return checkpointing.load(where, step, options, codecs=codecs, **selected)
+            return load_any_tier(directory, step, url, options, codecs=codecs, **({} if keys is None else {"keys": [*keys, id_key]}))
         except CheckpointMismatchError:  # a key the step lacks: all of it
-            return checkpointing.load(where, step, options, codecs=codecs)
-        except CheckpointNotFoundError as exc:
-            missing = exc
-    raise CheckpointNotFoundError(f"{target} names step {step} of {directory}, which is not there: {missing}") from missing
+            return load_any_tier(directory, step, url, options, codecs=codecs)
+    except CheckpointNotFoundError as missing:
+        raise CheckpointNotFoundError(f"{target} names step {step} of {directory}, which is not there: {missing}") from missing
 
 
 def read_released(storage: Storage) -> set[int]:

@@ -69,6 +69,7 @@ class StepDeleter:
             self._worker.forget(step)
             if self._uploader is not None:  # save() checks this view of the remote tier without a request
                 self._uploader.saw_remote(removed={step})
+                self._uploader.forget(step)
         self._meet(f"delete({step}) #{n}: done", failed)
         if any(found):
             log.info("checkpointing: rank %d: deleted step %d from %s", self._coord.rank, step, self._where())

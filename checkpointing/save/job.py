@@ -170,6 +170,7 @@ class UploadJob:
     sends: tuple[str, ...] | None = None  # a resumed upload's files this rank sends (plan/resume.py); None: the files it wrote
     error: BaseException | None = None
     error_reported: bool = False
+    tries: int = 1  # this upload of the step is its tries-th (save/uploader.py: failed uploads are tried again)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     hurry: Callable[[], None] | None = None  # the uploader's (at submit): its threads back at normal priority
     waited: bool = False  # something waited for it: its threads are not lowered again (CpuYield.waited)

@@ -26,6 +26,12 @@ Failures: a permanent error (or transient ones past the retry budget) fails this
 only: it is raised as CheckpointUploadError at the next save()/wait(), the local step stays
 committed, and later steps upload normally. Nothing of a failed upload is ever visible as a step
 on the remote tier: without COMMIT it is an incomplete step (removed by retention or `gc`).
+The next save() submits every failed upload again before its own step, in step order: with one
+process while the step is still committed locally; with several ranks (which must submit the same
+uploads in the same order, as each has its number `seq`) by what every rank knows alike: rank 0's
+verdict failed it, delete() (a collective call) did not remove the step, and it was tried at most
+RETRIES times since it first failed. Each rank's report names its step, and rank 0 fails an upload
+whose reports name different steps rather than commit it (dist/remote_commit.py).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from checkpointing.storage import FsspecStorage, LocalStorage
 
 log = logging.getLogger("checkpointing")
 
+RETRIES = 3  # with several ranks, the times a failed upload is tried again (one process: while the step is local)
+
 
 class PendingUploads:
     """The steps whose upload is queued or running, or failed and is to be tried again (thread-safe):
@@ -61,7 +69,7 @@ class PendingUploads:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: list[UploadJob] = []
-        self.failed: dict[int, UploadJob] = {}  # step -> its failed upload, tried again with the next one (one rank)
+        self.failed: dict[int, UploadJob] = {}  # step -> its failed upload, tried again with the next one
 
     def add(self, job: UploadJob) -> None:
         with self._lock:
@@ -78,6 +86,11 @@ class PendingUploads:
     def fail(self, job: UploadJob) -> None:
         with self._lock:
             self.failed[job.step] = job
+
+    def forget(self, step: int) -> None:
+        """`step` was deleted: its failed upload is not tried again."""
+        with self._lock:
+            self.failed.pop(step, None)
 
     def take_failed(self) -> list[UploadJob]:
         with self._lock:
@@ -100,7 +113,7 @@ class Uploader:
         on_finish: Callable[[UploadJob], None],
         pending: PendingUploads,
         cpu: CpuYield | None = None,
-        retry_failed: bool = False,
+        world_size: int = 1,
     ) -> None:
         self.local, self.remote, self.committer = local, remote, committer
         self._cpu = cpu if cpu is not None and cpu.enabled else None
@@ -108,7 +121,7 @@ class Uploader:
             remote.on_io_thread(self._cpu.enter)  # the loop's thread, and the pools' threads as they start
         self.rank, self.keep_remote, self.on_finish = rank, keep_remote, on_finish
         self.pending = pending
-        self._retry_failed = retry_failed  # one rank: a failed upload is tried again before the next one
+        self._world_size = world_size
         self._lock = threading.Lock()
         self._seq = 0
         self._remote_steps: set[int] = set()  # committed on the remote tier, as far as this rank knows (under _lock)
@@ -118,11 +131,23 @@ class Uploader:
         self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
-        for failed in self.pending.take_failed() if self._retry_failed else ():
-            if failed.step in catalog.list_steps(self.local).committed:  # not deleted since
-                log.warning("checkpointing: trying the failed upload of step %d to %s again", failed.step, self.remote.url)
-                self._submit(UploadJob(failed.step, committed=failed.committed, t_local=failed.t_local))
+        """Queue `job`, after the failed uploads tried again (see the module docstring)."""
+        for failed in self.pending.take_failed():
+            if self._world_size == 1 and failed.step not in catalog.list_steps(self.local).committed:
+                continue  # deleted since
+            if self._world_size > 1 and failed.tries > RETRIES:
+                if self.rank == 0:
+                    log.error("checkpointing: the upload of step %d to %s failed %d times: not tried again while this job runs "
+                              "(local retention may remove the step now; a manager started on this directory resumes the upload "
+                              "if it is newer than the newest remote step)", failed.step, self.remote.url, failed.tries)
+                continue
+            log.warning("checkpointing: trying the failed upload of step %d to %s again", failed.step, self.remote.url)
+            self._submit(UploadJob(failed.step, committed=failed.committed, t_local=failed.t_local, sends=failed.sends, tries=failed.tries + 1))
         self._submit(job)
+
+    def forget(self, step: int) -> None:
+        """delete() removed `step`: its failed upload is not tried again (every rank forgets it alike)."""
+        self.pending.forget(step)
 
     def _submit(self, job: UploadJob) -> None:
         with self._lock:
@@ -173,7 +198,7 @@ class Uploader:
             self._base = (job.step, job.committed.digest, frozenset(f.path for f in job.committed.files))
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
-        if job.error is not None and self._retry_failed:
+        if job.error is not None:
             self.pending.fail(job)  # its only copy stays (local retention) until it is tried again
         pins.remove_pin(self.remote, job.pin)
         job.t_done = time.perf_counter()
@@ -273,7 +298,7 @@ def start_uploader(
     except (OSError, CheckpointError) as exc:
         raise CheckpointConfigError(f"cannot use the remote tier {remote.url}: {exc}") from None
     uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending,
-                        cpu=CpuYield(yield_s), retry_failed=coord.world_size == 1)
+                        cpu=CpuYield(yield_s), world_size=coord.world_size)
     uploader.saw_remote(added=set(listing.committed))
     mine = resume_offers(local, listing.committed)
     stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
