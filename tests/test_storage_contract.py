@@ -566,3 +566,40 @@ class TestCatalog:
         assert catalog.list_steps(storage).committed == [1, 4, 5]
         assert collect.apply_retention(storage, 1) == [1, 4]
         assert catalog.list_steps(storage) == catalog.StepListing([5], [])
+
+
+def test_a_new_root_is_made_durable_in_its_parent_before_anything_is_created_in_it(tmp_path, monkeypatch):
+    """format.md, "Write order", 0: the root and each missing parent, mkdir then fsync of its parent."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    LocalStorage(tmp_path / "a" / "b" / "ck")
+    assert synced[:3] == [str(tmp_path), str(tmp_path / "a"), str(tmp_path / "a" / "b")]
+    synced.clear()
+    LocalStorage(tmp_path / "x", fsync=False)
+    assert synced == [] and (tmp_path / "x").is_dir()
+
+
+def test_gc_removes_a_killed_puts_temporaries_at_the_root_and_nothing_else(tmp_path):
+    import torch
+
+    from checkpointing import CheckpointManager, load
+
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": torch.ones(4)}).wait()
+    left = ["metrics.jsonl.tmp-0123456789ab", "TIER.tmp-aaaaaaaaaaaa"]
+    for name in left:
+        (tmp_path / "ck" / name).write_bytes(b"partial")
+    mine = ["notes.txt", "metrics.jsonl.tmp-xyz", "model.tmp-0123456789abc"]  # not a put's temporary: the user's
+    for name in mine:
+        (tmp_path / "ck" / name).write_bytes(b"keep")
+    storage = LocalStorage(tmp_path / "ck")
+    assert {g.path for g in collect.collect(storage, min_age_s=3600).garbage} == set()  # young: maybe a live put's
+    assert {g.path for g in collect.collect(storage).garbage} == set(left)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name in left + mine) == sorted(mine)
+    assert load(tmp_path / "ck")["w"].sum() == 4

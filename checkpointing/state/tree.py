@@ -238,7 +238,11 @@ class _Walker:
     def add_ndarray(self, a: np.ndarray, path: tuple) -> int:
         if a.dtype.kind not in NUMPY_KINDS or a.dtype.byteorder == ">":
             raise StateError(f"state[{join_key(path)!r}] is a numpy array of dtype {a.dtype}: only native numeric/bool arrays can be checkpointed")
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        try:  # ascontiguousarray() would make a 0-d array 1-d: only a strided one is copied
+            t = torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+        except TypeError:  # float128, complex256: no torch dtype
+            raise StateError(f"state[{join_key(path)!r}] is a numpy array of dtype {a.dtype}, which torch has no dtype for: "
+                             "convert it (e.g. a.astype(np.float64)) before saving") from None
         self.leaves.append(Leaf(join_key(path), t, False))
         return len(self.leaves) - 1
 

@@ -52,7 +52,26 @@ class LocalStorage:
         self.fsync = fsync
         self._warned: set[str] = set()
         if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self._make_root()
+
+    def _make_root(self) -> None:
+        """Create the root and any missing parent, each made durable in its parent (fsync of the parent
+        directory) before anything is created in it: a COMMIT that survives a power cut is never in a
+        directory whose own entry did not (format.md, "Write order", 0)."""
+        missing = [p for p in [self.root, *self.root.parents] if not p.exists()][::-1]
+        for path in missing:
+            try:
+                path.mkdir()
+            except FileExistsError:  # ranks sharing a tier race to create it
+                continue
+            if self.fsync:
+                fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: links followed
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        if not self.root.is_dir():
+            self.root.mkdir(exist_ok=True)  # a file or a dangling link there: mkdir's own error names it
 
     def _abs(self, path: str) -> Path:
         return self.root / path if path else self.root

@@ -21,9 +21,7 @@ after G1: it either sees the base retired and takes nothing from it, or the base
 retired and G4 finds it committed, with every file it references.
 
 One moment precedes W1: the writer makes the step's directory, then its pin in it. A directory G2
-found empty may be that one, so it is removed only once it is older than EMPTY_DIR_GRACE_S (an
-empty directory holds no bytes), unless every pin is taken for dead (a writer tidying at start);
-one this collector emptied itself goes at once.
+found empty may be that one: it goes once older than EMPTY_DIR_GRACE_S, unless every pin is dead.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import logging
 import time
 from typing import Callable, Collection
 
-from checkpointing.tier import catalog
+from checkpointing.tier import catalog, temporaries
 from checkpointing.format import naming
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from checkpointing.plan.retention import RetentionPolicy, as_policy, steps_to_delete
@@ -113,6 +111,8 @@ def collect(
     for s in committed if scan_committed else ():
         if s in refs.own:
             sweep.committed_step(s, refs.own[s])
+    for path in [p for p in (temporaries.root_temporaries(storage) if scan_committed else []) if not ages.young(p)]:
+        sweep.drop(path, "a temporary file a killed writer left at the root")  # a killed put's (temporaries.py)
     if drop_spares:
         sweep.spares()
     return out
