@@ -216,3 +216,24 @@ def test_the_console_script_entry_runs_report(saved):
     r = subprocess.run([sys.executable, "-m", "checkpointing", "report", str(local)], env=child_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "saves" in r.stdout, r.stderr
+
+
+def test_rm_and_gc_on_a_file_url_take_the_writer_lock_of_a_live_managers_directory(tmp_path, run):
+    d = tmp_path / "ck"
+    with CheckpointManager(d, keep_local=None) as mgr:  # a training process holds the directory
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((4,), float(step))}).wait()
+        (d / "step-0000000001" / "stray.tmp").write_bytes(b"x")  # something for gc to remove
+        for target in (str(d), f"file://{d}"):  # another process: the lock is per process
+            for argv in (["rm", target, "--step", "1"], ["gc", target, "--min-age-s", "0"]):
+                r = subprocess.run([sys.executable, "-m", "checkpointing", *argv], env=child_env(), capture_output=True, text=True, timeout=120)
+                assert r.returncode == 2 and "holds" in r.stderr, (argv, r.stdout, r.stderr)
+        assert mgr.steps() == [1, 2, 3] and (d / "step-0000000001" / "stray.tmp").exists()
+    code, out = run("rm", f"file://{d}", "--step", "1")  # closed: the lock is free
+    assert code == 0 and "deleted step 1" in out, out
+    remote = tmp_path / "remote-tier"  # a file:// tier no manager writes as its local one: no lock, no WRITER file made
+    with CheckpointManager(tmp_path / "node", remote=f"file://{remote}", keep_local=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((4,), float(step))}).wait()
+    code, out = run("rm", f"file://{remote}", "--step", "1")
+    assert code == 0 and not (remote / "WRITER").exists(), out

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from checkpointing.plan import advice
-from checkpointing.cli import report
+from checkpointing.cli import fmt, report
 from checkpointing.observe import summary
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.observe.metrics import SaveStats, append_jsonl
@@ -253,7 +253,10 @@ def cli(*argv: str) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="checkpointing report")
     report.add_arguments(parser)
     out = io.StringIO()
-    code = report.run(parser.parse_args(list(argv)), Console(file=out, width=200))
+    try:
+        code = report.run(parser.parse_args(list(argv)), Console(file=out, width=200))
+    except fmt.CommandFailed as exc:  # main() prints it on stderr (test_report_errors_go_to_stderr)
+        return exc.code, out.getvalue() + str(exc)
     return code, out.getvalue()
 
 
@@ -289,6 +292,19 @@ def test_cli_json_last_and_plot(run_dir, tmp_path):
 def test_cli_bad_arguments_exit_2(run_dir, argv, message):
     code, out = cli(str(run_dir), *argv)
     assert code == 2 and message in out
+
+
+def test_report_errors_go_to_stderr_never_into_its_json(run_dir, capsys, monkeypatch):
+    from checkpointing.cli.app import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    for argv in (["--last", "0"], ["--json", "--last", "0"], ["--mtbf", "-1", "--json"]):
+        assert main(["report", str(run_dir), *argv]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith("error:"), (argv, out)
+    assert main(["report", str(run_dir / "nope"), "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "no such checkpoint directory" in " ".join(out.err.split())
 
 
 def test_cli_nothing_to_show_exits_2(tmp_path):

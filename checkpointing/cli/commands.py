@@ -13,6 +13,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -256,7 +257,7 @@ def gc(args: argparse.Namespace, console: Console) -> int:
     # a directory no manager ever wrote to, with nothing to remove, is left as it was (no WRITER file made)
     if not args.dry_run and (result.garbage or _has_lock_file(storage)):
         try:
-            held = writer_lock.acquire(storage.root, purpose="checkpointing gc") if isinstance(storage, LocalStorage) else None
+            held = writer_lock.acquire(root, purpose="checkpointing gc") if (root := _lock_root(storage)) else None
         except CheckpointError as exc:
             raise fmt.CommandFailed(f"{exc}; `checkpointing gc --dry-run` needs no lock") from None
         try:
@@ -302,7 +303,18 @@ def _stale_uploads(storage: Storage, min_age_s: float, *, abort: bool) -> list[t
 
 
 def _has_lock_file(storage: object) -> bool:
-    return isinstance(storage, LocalStorage) and os.path.lexists(os.path.join(storage.root, writer_lock.LOCK_NAME))
+    return _lock_root(storage) is not None and os.path.lexists(os.path.join(_lock_root(storage), writer_lock.LOCK_NAME))
+
+
+def _lock_root(storage: object) -> Path | None:
+    """The directory whose writer lock removing from `storage` takes: a local directory; a file:// URL of a
+    directory a manager writes as its local tier (it has a WRITER file); none for other tiers."""
+    if isinstance(storage, LocalStorage):
+        return storage.root
+    if isinstance(storage, FsspecStorage) and storage.url.startswith("file://"):
+        root = Path(storage.url[len("file://"):])
+        return root if os.path.lexists(root / writer_lock.LOCK_NAME) else None
+    return None
 
 
 def rm(args: argparse.Namespace, console: Console) -> int:
@@ -311,7 +323,7 @@ def rm(args: argparse.Namespace, console: Console) -> int:
     storage = open_target(args.dir, args.storage_option)
     committed_step(storage, args.step)  # a step that is not there needs no lock (nor a WRITER file where there was none)
     try:  # a manager writing there holds the lock: it deletes with mgr.delete(step), in that process
-        held = writer_lock.acquire(storage.root, purpose="checkpointing rm") if isinstance(storage, LocalStorage) else None
+        held = writer_lock.acquire(root, purpose="checkpointing rm") if (root := _lock_root(storage)) else None
     except CheckpointError as exc:
         raise fmt.CommandFailed(f"{exc}; or delete the step in that process: mgr.delete({args.step})") from None
     try:

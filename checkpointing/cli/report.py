@@ -276,22 +276,22 @@ def _records(target: str, option_pairs: list[str]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    """Run ``checkpointing report``. Exit codes: 0 fine, 2 bad usage or nothing to show."""
+    """Run ``checkpointing report``. Exit codes: 0 fine, 2 bad usage or nothing to show (the error on stderr)."""
     try:
         records = _records(args.dir, args.storage_option)
         if args.last is not None:
             if args.last < 1:
-                return fmt.fail(console, f"--last must be >= 1, got {args.last}")
+                raise fmt.CommandFailed(f"--last must be >= 1, got {args.last}")
             records = records[-args.last:]
         if not records:
-            return fmt.fail(console, f"{args.dir}: no save metrics recorded ({METRICS_NAME} is missing or empty)")
+            raise fmt.CommandFailed(f"{args.dir}: no save metrics recorded ({METRICS_NAME} is missing or empty)")
         if args.mtbf is not None and not args.mtbf > 0:
-            return fmt.fail(console, f"--mtbf is the mean time between failures in hours: pass a number > 0, got {args.mtbf}")
+            raise fmt.CommandFailed(f"--mtbf is the mean time between failures in hours: pass a number > 0, got {args.mtbf}")
         mtbf_s = args.mtbf * 3600.0 if args.mtbf is not None else None
         summary = summarize(records, mtbf_s)
         path = str(plot(records, args.plot)) if args.plot else None
     except (CheckpointConfigError, ImportError, OSError) as exc:
-        return fmt.fail(console, str(exc))
+        raise fmt.CommandFailed(str(exc)) from None
     if args.json:
         doc = to_json(records, mtbf_s, source=str(args.dir), plot_path=path)
         console.print(json.dumps(doc, indent=2), markup=False, highlight=False, soft_wrap=True)
