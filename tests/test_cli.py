@@ -237,3 +237,27 @@ def test_rm_and_gc_on_a_file_url_take_the_writer_lock_of_a_live_managers_directo
             mgr.save(step, {"w": torch.full((4,), float(step))}).wait()
     code, out = run("rm", f"file://{remote}", "--step", "1")
     assert code == 0 and not (remote / "WRITER").exists(), out
+
+
+def _per_rank_save(rank: int, world: int, d: str) -> None:
+    with CheckpointManager(d) as mgr:
+        mgr.save(1, {"mine": torch.full((3,), float(rank)), "shared": torch.ones(2), "loader": {"pos": rank * 10}, "epoch": 3}).wait()
+
+
+def test_inspect_shows_each_ranks_values_and_which_rank_holds_each_tensor(tmp_path, run):
+    from _dist import run_ranks
+
+    d = tmp_path / "ck"
+    run_ranks(_per_rank_save, 2, str(d), tmp=tmp_path)
+    code, out = run("inspect", str(d))
+    assert code == 0, out
+    lines = out.splitlines()
+    assert sum(1 for ln in lines if "│ mine" in ln) == 2 and any("│ shared" in ln and "all" in ln for ln in lines), out
+    assert "values of rank 0" in out and "values of rank 1" in out and "loader/pos = 10" in out and "loader/pos = 0" in out, out
+    code, out = run("inspect", str(d), "--json")
+    doc = json.loads(out)
+    assert doc["rank_trees"] == [0, 1] and len(doc["trees"]) == 2 and doc["world_size"] == 2
+    assert sorted(t["ranks"] for t in doc["tensors"] if t["key"] == "mine") == [[0], [1]]
+    assert [t["ranks"] for t in doc["tensors"] if t["key"] == "shared"] == [[0, 1]]
+    code, out = run("inspect", str(d), "--max-values", "-1")
+    assert code == 2 and "--max-values must be >= 0" in out, out

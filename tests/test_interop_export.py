@@ -150,6 +150,13 @@ def test_export_refuses_to_overwrite_without_force(tmp_path, run_cli):
     assert torch.load(pt, weights_only=True)["tensors"]["model/w0"].dtype == torch.float16
 
 
+def test_export_to_a_place_nothing_can_be_written_is_a_usage_error(tmp_path, run_cli):
+    _save(tmp_path / "ck", {"w": torch.randn(8)})
+    for fmt_args, out in ((), "/proc/nowhere.pt"), (("--format", "safetensors"), "/proc/nowhere"):
+        code, text = run_cli("export", str(tmp_path / "ck"), *fmt_args, "--out", out)
+        assert code == 2 and f"cannot write {out}" in text and "internal error" not in text, text
+
+
 def test_export_never_writes_into_the_checkpoint_it_reads_nor_to_a_url(tmp_path, run_cli):
     ck = tmp_path / "ck"
     _save(ck, {"w": torch.randn(8, 8)}, step=5)

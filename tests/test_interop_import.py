@@ -103,6 +103,10 @@ def test_torch_save_file_imports_under_a_key_and_loads(tmp_path):
         import_checkpoint(tmp_path / "junk.pt", tmp_path / "ck", 6, kind="torch")
     with pytest.raises(CheckpointError, match="already committed"):
         import_checkpoint(tmp_path / "weights.pt", tmp_path / "ck", 5, under="model")
+    for bad in (-1, 10**11, True):  # refused before anything is created at the destination
+        with pytest.raises(CheckpointConfigError, match=r"pass the step number .*an int in 0\.\.9999999999"):
+            import_checkpoint(tmp_path / "weights.pt", tmp_path / "new", bad, under="model")
+        assert not (tmp_path / "new").exists()
 
 
 def test_safetensors_export_round_trips_through_import_with_its_tied_weights(tmp_path, offline):

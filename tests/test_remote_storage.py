@@ -196,6 +196,8 @@ class TestRedaction:
         options = {"key": "AKIAEXAMPLE", "secret": "s3cr3t-value", "endpoint_url": "http://127.0.0.1:9",
                    "client_kwargs": {"aws_session_token": "tok-123456"}, "anon": False}
         assert set(secret_values(options, "sftp://u:pw-9999@h/x")) == {"AKIAEXAMPLE", "s3cr3t-value", "tok-123456", "pw-9999"}
+        # an access key id in the URL's user info is a credential too (a name of under 4 characters is not hidden)
+        assert set(secret_values({}, "s3://AKIAINURL:pw-9999@bucket/x")) == {"AKIAINURL", "pw-9999"}
 
 
 # ---------------------------------------------------------------- construction and the factory

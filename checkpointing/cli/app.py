@@ -24,7 +24,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.errors import MarkupError
 
-from checkpointing.cli import commands, convert, report
+from checkpointing.cli import commands, convert, inspecting, report
 from checkpointing.cli.fmt import USAGE, CommandFailed, fail
 from checkpointing.cli.targets import add_target
 from checkpointing.errors import CheckpointCorruptError, CheckpointError
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--max-values", type=int, default=50, help="at most this many primitive values shown (default 50)")
     p.add_argument("--wide", action="store_true", help="every column (shards, files), keys unwrapped, however wide")
-    p.set_defaults(func=commands.inspect)
+    p.set_defaults(func=inspecting.inspect)
     p = tier_parser("verify", "check every digest; exit 1 on damage")
     p.add_argument("--step", type=int, default=None, help="default: every committed step")
     p.set_defaults(func=commands.verify)

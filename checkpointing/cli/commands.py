@@ -1,4 +1,4 @@
-"""The commands on a tier: `ls`, `inspect`, `verify`, `gc`, `rm` and `export`, each what it does and prints (layer: cli).
+"""The commands on a tier: `ls`, `verify`, `gc`, `rm` and `export`, each what it does and prints (layer: cli; `inspect`: inspecting.py).
 
 Each takes the parsed arguments and the console to print on, and returns the exit code (0 fine, 1
 damage found); a command that cannot go on raises fmt.CommandFailed. On a terminal, verify, gc and
@@ -135,84 +135,6 @@ def _steps_view(rows: list[dict[str, Any]], title: str, *, with_tiers: bool, wid
         cells.append(row)
     notes = [_RETIRED] if any(r["state"] == "retired" for r in rows) else []
     return tables.fit(columns, cells, width=width, wide=wide, title=title, notes=notes)
-
-
-def inspect(args: argparse.Namespace, console: Console) -> int:
-    """A step's tensors (key, dtype, shape, size, chunks) and its plain values."""
-    storage = open_target(args.dir, args.storage_option)
-    step = committed_step(storage, args.step)
-    try:
-        manifest = catalog.load_manifest(storage, step)
-    except CheckpointError as exc:
-        raise fmt.CommandFailed(str(exc), code=1) from None
-    if args.json:
-        print(json.dumps({
-            "step": step, "format_version": manifest.format_version, "bytes": manifest.nbytes,
-            "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                         "chunks": sum(len(s.chunks) for s in t.shards)} for t in manifest.tensors],
-            "tree": manifest.tree,
-        }, indent=2))
-        return _files_state(storage, manifest, Console(stderr=True))
-    title = f"step {step}: {len(manifest.tensors)} tensors, {fmt.size(manifest.nbytes)} (format v{manifest.format_version})"
-    tables.show(console, _tensors_view(manifest, title, width=console.width, wide=args.wide))
-    values = _values(manifest.tree, ())
-    if values:
-        console.print("[bold]values[/bold]")
-        for key, val in values[: args.max_values]:
-            console.print(f"  {key} = {val}", markup=False)
-        if len(values) > args.max_values:
-            console.print(f"  ... {len(values) - args.max_values} more (--max-values)", markup=False)
-    return _files_state(storage, manifest, console)
-
-
-_INSPECT_COLUMNS = (
-    tables.Column("key", justify="left", flex=True, breaks="/.", min_width=16), tables.Column("dtype", justify="left"),
-    tables.Column("shape", justify="left"), tables.Column("size"), tables.Column("chunks"),
-    tables.Column("shards", default=False), tables.Column("files", default=False),
-)
-
-
-def _tensors_view(manifest: Manifest, title: str, *, width: int | None, wide: bool) -> tables.View:
-    """The tensor table of `inspect`: a long key wraps after "/" or "."; a size keeps its unit (they span B to GB)."""
-    rows: list[list[tables.Cell]] = []
-    for t in manifest.tensors:
-        chunks = [c for s in t.shards for c in s.chunks]
-        rows.append([Text(t.key), Text(t.dtype), "x".join(map(str, t.shape)) or "scalar", fmt.size(t.nbytes), str(len(chunks)),
-                     str(len(t.shards)), str(len({c.file for c in chunks}))])
-    return tables.fit(_INSPECT_COLUMNS, rows, width=width, wide=wide, title=title)
-
-
-def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
-    """1 (and a line per file) when a data file this tier should hold is missing or of the wrong size (verify.missing_files)."""
-    bad = missing_files(storage, manifest, here=tier_id_of(storage))
-    for line in bad:
-        console.print(f"[red]damaged[/red] {escape(line)}")
-    if bad:
-        console.print(f"step {manifest.step} is damaged: run `checkpointing verify` for details", markup=False)
-    return 1 if bad else 0
-
-
-def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
-    """The tree's plain values as (key path, short text), in tree order."""
-    out: list[tuple[str, str]] = []
-    key = "/".join(map(str, path))
-    if "dict" in node:
-        for k, child in node["dict"]:
-            out += _values(child, path + (k,))
-    elif "list" in node or "tuple" in node:
-        for i, child in enumerate(node.get("list", node.get("tuple"))):
-            out += _values(child, path + (i,))
-    elif "stateful" in node:
-        out += _values(node["stateful"], path)
-    elif "value" in node:
-        out.append((key, json.dumps(node["value"])[:120]))
-    elif "float" in node:
-        out.append((key, node["float"]))
-    elif "bytes" in node:
-        out.append((key, f"<{len(node['bytes']) * 3 // 4} bytes>"))
-    elif "codec" in node:
-        out.append((key, f"<codec {node['codec']}>"))
-    return out
 
 
 def verify(args: argparse.Namespace, console: Console) -> int:

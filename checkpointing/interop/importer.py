@@ -27,6 +27,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from checkpointing.format import naming
 from checkpointing.errors import CheckpointConfigError, CheckpointError, StateError
 from checkpointing.interop.readers import Loaded, detect, read, source_path
 from checkpointing.interop.types import Conversion, ImportResult
@@ -60,8 +61,8 @@ def import_checkpoint(
     `dest` URL. Importing a DCP checkpoint unpickles its metadata: import only what you trust.
     """
     conv = Conversion.of(only, exclude, None, dtype)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointConfigError(f"step={step!r}: pass the step number to commit the import as (an int >= 0)")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= naming.MAX_STEP:  # before anything is created
+        raise CheckpointConfigError(f"step={step!r}: pass the step number to commit the import as (an int in 0..{naming.MAX_STEP})")
     if under is not None and (not isinstance(under, str) or not under):
         raise CheckpointConfigError(f"under={under!r}: pass a top-level key such as 'model'")
     _check_one_process()

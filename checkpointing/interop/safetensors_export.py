@@ -82,7 +82,10 @@ def export_safetensors(
     meta = {"format": "pt", "checkpointing.step": str(opened.step)}
     if tied:
         meta["checkpointing.tied"] = json.dumps(tied, sort_keys=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointConfigError(f"cannot write {out_dir}: {exc.strerror or exc}; choose another --out (out_dir=)") from None
     layout = dict(zip(files, ([named[i] for i in g] for g in groups)))
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": {n.name: f for f, ns in layout.items() for n in ns}}
     paths = _write_all(out_dir, layout, index if len(files) > 1 else None, lambda ns, tmp: _write_file(opened, ns, conv, tmp, meta, progress))

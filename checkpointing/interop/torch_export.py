@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from checkpointing.errors import CheckpointConfigError
+from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.interop.naming import name_tensors
 from checkpointing.interop.source import export_path, open_step
 from checkpointing.interop.types import Conversion, ExportResult
@@ -67,7 +67,15 @@ def export_torch(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        torch.save({"step": opened.step, "world_size": opened.manifest.world_size, "tensors": tensors}, tmp)
+        try:
+            f = open(tmp, "xb")
+        except OSError as exc:
+            raise CheckpointConfigError(f"cannot write {path}: {exc.strerror or exc}; choose another --out (out=)") from None
+        with f:
+            try:
+                torch.save({"step": opened.step, "world_size": opened.manifest.world_size, "tensors": tensors}, f)
+            except RuntimeError as exc:  # torch's writer wraps the file's errors (a full disk)
+                raise CheckpointError(f"writing {path} failed: {exc}") from None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ _SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|sas|auth"
 
 
 def secret_values(options: Mapping[str, object] | None, url: str = "") -> tuple[str, ...]:
-    """String values in `options` (nested too) whose names look like credentials, and a password in `url`."""
+    """String values in `options` (nested too) whose names look like credentials, and the user info in `url`."""
     found: list[str] = []
 
     def walk(obj: object, name: str) -> None:
@@ -30,9 +30,10 @@ def secret_values(options: Mapping[str, object] | None, url: str = "") -> tuple[
             found.append(obj)
 
     walk(options or {}, "")
-    password = urlsplit(url).password if "://" in url else None
-    if password:
-        found.append(password)
+    parts = urlsplit(url) if "://" in url else None
+    for part in (parts.password, parts.username) if parts is not None else ():  # user info: an access key id, its secret
+        if part and len(part) >= 4:
+            found.append(part)
     return tuple(sorted(set(found), key=len, reverse=True))
 
 
