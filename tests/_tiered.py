@@ -113,16 +113,18 @@ def upload_fails_on_one_rank(rank: int, world: int, base: str, url: str, options
         assert mgr.tiers() == {1: "local"}, mgr.tiers()
         if proxy is not None:
             proxy.faults.clear()
-        stats = mgr.save(2, {"x": x + 1}).wait()  # the next save tries step 1's upload again first, then its own
+        stats = mgr.save(2, {"x": x + 1}).wait()  # uploads normally
         out.append(stats.tier)
+        out.append(repr(mgr.tiers()))
+        mgr.save(3, {"x": x + 2}).wait()  # tries step 1's upload again first (two uploads later: every rank knows it failed)
         out.append(repr(mgr.tiers()))
     return out
 
 
 def uploads_tried_again(rank: int, world: int, base: str, url: str, options: dict) -> dict[str, Any]:
     """Rank 1 gets 403s for saves 1-5, then none: every rank tries the same failed uploads again, in step, each at
-    most 3 times; save 6 uploads steps 3, 4 and 5 again (1 and 2 were tried too often) and its own. Step 7's upload
-    fails too, and delete(7) means that save 8 does not try it again."""
+    most 3 times, each before the upload numbered two after its last try (test_tiered.py spells the sequence out).
+    Step 7's upload fails too, and delete(7) means that save 8 does not try it again."""
     from faults import Fault, inject
 
     from checkpointing import CheckpointUploadError

@@ -14,6 +14,7 @@ import os
 import pydoc
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,8 @@ def test_read_only_with_two_ranks(tmp_path):
 
 def _one_rank_looks(rank: int, world: int, d: str) -> list:
     """Rank 0 alone looks at the steps with a read-only manager; then every rank restores read-only, then
-    saves with a writing manager (the managers of the ranks still match up); then rank 0 alone restores."""
+    saves with a writing manager (the managers of the ranks still match up); then rank 0 alone restores (a
+    timeout), and then every rank restores read-only again."""
     seen = []
     if rank == 0:
         with CheckpointManager(d, read_only=True, timeout_s=60) as r:
@@ -190,6 +192,12 @@ def _one_rank_looks(rank: int, world: int, d: str) -> list:
             with pytest.raises(CheckpointError, match=r"first restore\(\), a collective call .* checkpointing.load") as caught:
                 r.restore(blank())
             seen.append(type(caught.value).__name__)
+        Path(d + ".alone-done").touch()
+    while not os.path.exists(d + ".alone-done"):  # rank 1 comes only after rank 0's lone restore ended
+        time.sleep(0.05)
+    with CheckpointManager(d, read_only=True, timeout_s=60) as r:  # the lone meeting gave its number back: they meet
+        out = blank()
+        seen.append(r.restore(out) == 4 and same(out, state(4)))
     return seen
 
 
@@ -198,8 +206,8 @@ def test_read_only_on_one_rank_of_a_job_lists_without_the_others(tmp_path):
     d = tmp_path / "ck"
     run_ranks(_write_two, 2, str(d), tmp=tmp_path)
     first, second = run_ranks(_one_rank_looks, 2, str(d), tmp=tmp_path)
-    assert first == [[1, 2, 3], 3, [(1, "local"), (2, "local"), (3, "local")], True, [1, 2, 3, 4], "CoordinationTimeout"]
-    assert second == [True, [1, 2, 3, 4]]
+    assert first == [[1, 2, 3], 3, [(1, "local"), (2, "local"), (3, "local")], True, [1, 2, 3, 4], "CoordinationTimeout", True]
+    assert second == [True, [1, 2, 3, 4], True]
 
 
 def _objects(url: str) -> list[tuple]:

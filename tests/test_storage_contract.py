@@ -595,9 +595,13 @@ def test_gc_removes_a_killed_puts_temporaries_at_the_root_and_nothing_else(tmp_p
     left = ["metrics.jsonl.tmp-0123456789ab", "TIER.tmp-aaaaaaaaaaaa"]
     for name in left:
         (tmp_path / "ck" / name).write_bytes(b"partial")
-    mine = ["notes.txt", "metrics.jsonl.tmp-xyz", "model.tmp-0123456789abc"]  # not a put's temporary: the user's
+    mine = ["notes.txt", "metrics.jsonl.tmp-xyz", "model.tmp-0123456789abc", "notes.tmp-0123456789ab"]  # the user's
     for name in mine:
         (tmp_path / "ck" / name).write_bytes(b"keep")
+    for name in ("eval.tmp-0123456789ab", "metrics.jsonl.tmp-0123456789ac"):  # directories: never a put's temporary
+        (tmp_path / "ck" / name).mkdir()
+        (tmp_path / "ck" / name / "scores.json").write_text("{}")
+        mine.append(name)
     storage = LocalStorage(tmp_path / "ck")
     assert {g.path for g in collect.collect(storage, min_age_s=3600).garbage} == set()  # young: maybe a live put's
     assert {g.path for g in collect.collect(storage).garbage} == set(left)

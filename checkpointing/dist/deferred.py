@@ -7,14 +7,15 @@ again, alone. Only restore() meets the other ranks (which step every rank can re
 from), and only then is the store's key space opened, with the next number of the read-only managers'
 own sequence (keys.new_namespace): a manager that never met the others takes no number, so the ranks'
 later managers, writing or read-only, still match up. A restore() that some rank never calls ends at
-`timeout_s` with an error that says so and how to read on one rank alone.
+`timeout_s` with an error that says so and how to read on one rank alone, and gives its number back
+(a later meeting uses it, and finds this rank's tier key there already, which is the same).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from checkpointing.dist.keys import new_namespace
+from checkpointing.dist.keys import give_back_namespace, new_namespace
 from checkpointing.dist.store_coordinator import StoreCoordinator
 from checkpointing.dist.types import SaveRef, Store, TierCommitter, Written
 from checkpointing.errors import CheckpointConfigError
@@ -45,8 +46,13 @@ class DeferredCoordinator:
 
     def _coord(self) -> StoreCoordinator:
         if self._joined is None:
-            namespace = new_namespace(str(getattr(self._group, "group_name", "") or "world") + "/read_only")
-            self._joined = StoreCoordinator(self._storage, self._group, timeout_s=self._timeout_s, namespace=namespace, joining=JOINING)
+            sequence = str(getattr(self._group, "group_name", "") or "world") + "/read_only"
+            namespace = new_namespace(sequence)
+            try:
+                self._joined = StoreCoordinator(self._storage, self._group, timeout_s=self._timeout_s, namespace=namespace, joining=JOINING)
+            except BaseException:
+                give_back_namespace(sequence, namespace)  # never met: the next meeting (this one's again, or another's) takes it
+                raise
         return self._joined
 
     @property

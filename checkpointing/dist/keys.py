@@ -50,6 +50,15 @@ def new_namespace(group_name: str) -> str:
     return f"checkpointing/{group_name}/{n}/"
 
 
+def give_back_namespace(group_name: str, namespace: str) -> None:
+    """The manager that took `namespace` (the newest of `group_name`) never met the other ranks: the next one
+    takes it again, as the other ranks' next manager will (deferred.py: a read-only manager whose meeting timed out)."""
+    with _NAMESPACE_LOCK:
+        n = _NAMESPACES.get(group_name, 0) - 1
+        if n >= 0 and namespace == f"checkpointing/{group_name}/{n}/":
+            _NAMESPACES[group_name] = n
+
+
 def rank_of(key: str) -> int:
     """The rank a per-rank key names (its last part)."""
     return int(key.rsplit("/", 1)[1])

@@ -29,8 +29,9 @@ on the remote tier: without COMMIT it is an incomplete step (removed by retentio
 The next save() submits every failed upload again before its own step, in step order: with one
 process while the step is still committed locally; with several ranks (which must submit the same
 uploads in the same order, as each has its number `seq`) by what every rank knows alike: rank 0's
-verdict failed it, delete() (a collective call) did not remove the step, and it was tried at most
-RETRIES times since it first failed. Each rank's report names its step, and rank 0 fails an upload
+verdict failed it, delete() (a collective call) did not remove the step, it was tried at most
+RETRIES times since it first failed, and it is numbered two or more before the upload being queued
+(the verdict of the one just before may reach the ranks at different moments: it is tried a save later). Each rank's report names its step, and rank 0 fails an upload
 whose reports name different steps rather than commit it (dist/remote_commit.py).
 """
 
@@ -92,10 +93,18 @@ class PendingUploads:
         with self._lock:
             self.failed.pop(step, None)
 
-    def take_failed(self) -> list[UploadJob]:
+    def take_failed(self, through_seq: int | None = None) -> list[UploadJob]:
+        """The failed uploads (those numbered up to `through_seq`), by step; they leave the list."""
         with self._lock:
-            jobs, self.failed = sorted(self.failed.values(), key=lambda j: j.step), {}
+            jobs = sorted((j for j in self.failed.values() if through_seq is None or j.seq <= through_seq), key=lambda j: j.step)
+            for j in jobs:
+                del self.failed[j.step]
             return jobs
+
+    def through(self, seq: int) -> list[UploadJob]:
+        """The uploads queued or running that are numbered up to `seq`."""
+        with self._lock:
+            return [j for j in self._jobs if j.seq <= seq]
 
 
 class Uploader:
@@ -132,7 +141,7 @@ class Uploader:
 
     def submit(self, job: UploadJob) -> None:
         """Queue `job`, after the failed uploads tried again (see the module docstring)."""
-        for failed in self.pending.take_failed():
+        for failed in self._due_retries():
             if self._world_size == 1 and failed.step not in catalog.list_steps(self.local).committed:
                 continue  # deleted since
             if self._world_size > 1 and failed.tries > RETRIES:
@@ -144,6 +153,18 @@ class Uploader:
             log.warning("checkpointing: trying the failed upload of step %d to %s again", failed.step, self.remote.url)
             self._submit(UploadJob(failed.step, committed=failed.committed, t_local=failed.t_local, sends=failed.sends, tries=failed.tries + 1))
         self._submit(job)
+
+    def _due_retries(self) -> list[UploadJob]:
+        """The failed uploads to try again now. With several ranks only those numbered two or more before the one
+        about to be queued: every rank knows their verdicts (this waits for them; save() has mostly waited already,
+        for the upload before last), whereas a later one's may reach the ranks at different moments."""
+        if self._world_size == 1:
+            return self.pending.take_failed()
+        with self._lock:
+            settled = self._seq - 2
+        for earlier in self.pending.through(settled):
+            earlier.done.wait()
+        return self.pending.take_failed(through_seq=settled)
 
     def forget(self, step: int) -> None:
         """delete() removed `step`: its failed upload is not tried again (every rank forgets it alike)."""
