@@ -234,7 +234,8 @@ def _leaf_nodes(n_tensors: int):
 
 
 def _dict_node(children):
-    return st.lists(st.tuples(dict_key, children), max_size=4).map(lambda items: {"dict": [[k, v] for k, v in items]})
+    unique = st.lists(st.tuples(dict_key, children), max_size=4, unique_by=lambda kv: (type(kv[0]), kv[0]))  # a dict's keys
+    return unique.map(lambda items: {"dict": [[k, v] for k, v in items]})
 
 
 def tree_st(n_tensors: int):
@@ -358,6 +359,14 @@ def test_a_bad_tree_node_is_named_by_its_path():
     for bad in (-1, True, 1.5, "0"):
         with pytest.raises(ManifestError, match=r"trees\[0\]/t: tensor index must be an integer >= 0"):
             decode_manifest(encode_manifest(Manifest.single(1, {"dict": [["t", {"tensor": bad}]]}, ())), WHERE)
+
+
+def test_a_key_twice_in_one_dict_node_is_refused():
+    twice = {"dict": [["w", {"value": 1}], ["x", {"dict": [["w", {"value": 2}], ["w", {"value": "second"}]]}]]}
+    with pytest.raises(ManifestError, match=r"trees\[0\]/x: a key appears twice in a dict node"):
+        decode_manifest(encode_manifest(Manifest.single(1, twice, ())), WHERE)
+    int_and_str = {"dict": [[1, {"value": 1}], ["1", {"value": 2}]]}  # two keys: a dict may hold both
+    assert decode_manifest(encode_manifest(Manifest.single(1, int_and_str, ())), WHERE).tree == int_and_str
 
 
 def _chain(depth: int) -> dict:

@@ -357,6 +357,8 @@ def _check_node(node: Any, n_tensors: int, where: str, depth: int) -> None:
             if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int)) and not isinstance(item[0], bool)):
                 raise ManifestError(f"{where}: dict items must be [str|int key, node]")
             _check_node(item[1], n_tensors, f"{where}/{item[0]}", depth + 1)
+        if len({(type(k), k) for k, _ in items}) != len(items):
+            raise ManifestError(f"{where}: a key appears twice in a dict node")
     elif "list" in node or "tuple" in node:
         items = node.get("list", node.get("tuple"))
         if len(node) != 1 or not isinstance(items, list):
