@@ -367,17 +367,21 @@ class DS(torch.utils.data.Dataset):
 class Start(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         print(f"START {rank} {state.global_step}", flush=True)
-args = TrainingArguments(output_dir=out, max_steps=steps, save_steps=5, save_total_limit=2, per_device_train_batch_size=4,
-                         report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, logging_steps=100)
-trainer = ckpt_hf.CheckpointingTrainer(model=model, args=args, train_dataset=DS(), callbacks=[Start()], timeout_s=60)
+best = sys.argv[3] == "best"  # keep one folder, the best by a metric that is best early: the Trainer removes the last
+extra = dict(eval_strategy="steps", eval_steps=5, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True) if best else {}
+args = TrainingArguments(output_dir=out, max_steps=steps, save_steps=5, save_total_limit=1 if best else 2, per_device_train_batch_size=4,
+                         report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, logging_steps=100, **extra)
+trainer = ckpt_hf.CheckpointingTrainer(model=model, args=args, train_dataset=DS(), eval_dataset=DS() if best else None, callbacks=[Start()],
+                                       timeout_s=60)
 trainer.train(resume_from_checkpoint=True if resume else None)
-print(f"DONE {rank} {trainer.state.global_step}", flush=True)
+print(f"DONE {rank} {trainer.state.global_step} {trainer.state.best_global_step}", flush=True)
 """
 
 
 def test_two_processes_resume_the_same_folder_after_one_was_lost(tmp_path: Path) -> None:
     """Under torchrun, process 0 alone writes the checkpoint-N folders: after a crash between a commit
-    and its folder's rename (the folder missing), every process resumes the folder process 0 wrote back."""
+    and its folder's rename (the folder missing), every process resumes the folder process 0 wrote back;
+    and the folders the Trainer's own cleanup removes take their steps with them on every rank."""
     import socket
     import subprocess
     import sys
@@ -401,3 +405,10 @@ def test_two_processes_resume_the_same_folder_after_one_was_lost(tmp_path: Path)
     log = torchrun(15, "resume")
     assert "START 0 10" in log and "START 1 10" in log and "DONE 0 15" in log and "DONE 1 15" in log, log
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15"]
+    # save_total_limit=1 with a best checkpoint: process 0 alone removes the other folders at the end of train(), and
+    # the step goes on every rank (delete() is collective: process 1 used to leave process 0 waiting for it)
+    shutil.rmtree(out)
+    log = torchrun(10, "best")
+    done = [line.split() for line in log.splitlines() if line.startswith("DONE")]
+    assert sorted(d[1] for d in done) == ["0", "1"] and {d[3] for d in done} == {"5"}, log
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-5"] and committed(out / "checkpointing") == [5]

@@ -302,16 +302,26 @@ class TrainerCheckpoints:
 
     def forget_removed(self) -> None:
         """Delete the steps whose folders (published by this object) someone else removed: the
-        Trainer's own end-of-training cleanup (save_total_limit=1 with a best checkpoint)."""
-        if self._mgr is None or not self._markers:
+        Trainer's own end-of-training cleanup (save_total_limit=1 with a best checkpoint), which runs
+        in the processes that write folders. delete() is collective: every process calls this, and the
+        steps any of them found removed go on every rank."""
+        if self._mgr is None:
             return
-        committed = set(self._mgr.steps())
-        with self._lock:
-            gone = [s for s, folder in self._published.items() if not os.path.lexists(folder) and s in committed]
-            for step in gone:
-                self._published.pop(step)
+        gone: list[int] = []
+        if self._markers:
+            committed = set(self._mgr.steps())
+            with self._lock:
+                gone = [s for s, folder in self._published.items() if not os.path.lexists(folder) and s in committed]
+                for step in gone:
+                    self._published.pop(step)
+        if self._mgr.world_size > 1:
+            import torch.distributed as dist
+
+            found: list[list[int]] = [[] for _ in range(self._mgr.world_size)]
+            dist.all_gather_object(found, gone)  # the training thread, at the end of train(): every rank is here
+            gone = sorted(set().union(*found))
         for step in gone:
-            self._mgr.delete(step, allow_latest=True)
+            self._mgr.delete(step, allow_latest=True, missing_ok=True)
 
     def close(self, *, raise_errors: bool = True) -> None:
         """drain(), then close the managers (the next save or load opens them again)."""
