@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import checkpointing  # noqa: E402
-from checkpointing import CheckpointManager, CheckpointNotFoundError, StateError  # noqa: E402
+from checkpointing import CheckpointConfigError, CheckpointError, CheckpointManager, CheckpointNotFoundError, StateError  # noqa: E402
 from checkpointing.format import naming  # noqa: E402
 from checkpointing.integrations import _lightning_pointer as ptr  # noqa: E402
 from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: E402
@@ -474,25 +474,55 @@ class M(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 if __name__ == "__main__":
-    root, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+    root, steps, resume, strategy = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
     torch.manual_seed(0)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+    model = M()
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, plugins=[LightningCheckpointIO(root + "/store")],
                          callbacks=[ModelCheckpoint(dirpath=root + "/ckpts", every_n_train_steps=2, save_last=True)])
-    trainer.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4), ckpt_path="last" if resume else None)
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4), ckpt_path="last" if resume else None)
     print("global_step", trainer.global_step, flush=True)
+    if trainer.global_rank == 0:  # the weights this process holds now (spawn/fork: handed back by the workers) are the last save's
+        saved = LightningCheckpointIO(root + "/store").load_checkpoint(root + "/ckpts/last.ckpt")["state_dict"]
+        print("weights match", all(torch.equal(v, saved[k]) for k, v in model.state_dict().items()), flush=True)
 """
 
 
-def test_lightning_ddp_saves_from_rank_zero_without_a_process_group_of_the_users_own(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_lightning_ddp_saves_from_rank_zero_without_a_process_group_of_the_users_own(tmp_path, strategy):
+    """Lightning's own launchers: the plugin makes rank 0's group itself; ddp_spawn pickles the plugin into its workers and
+    hands the trained weights back to the main process through it (a file that is no step of ours)."""
     script = tmp_path / "fit.py"
     script.write_text(_DDP_FIT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "MASTER_ADDR": "127.0.0.1"}
-    for steps, how in ((4, "fresh"), (6, "resume")):  # Lightning's own DDP launcher: the plugin makes rank 0's group itself
-        r = subprocess.run([sys.executable, str(script), str(tmp_path), str(steps), how], env=env, capture_output=True, text=True,
-                           timeout=300, cwd=tmp_path)
-        assert r.returncode == 0 and f"global_step {steps}" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
-    assert _pointers(tmp_path / "ckpts")["last.ckpt"] == 6 and 6 in _steps(tmp_path / "store")
+    for steps, how in ((4, "fresh"), (6, "resume")):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path), str(steps), how, strategy], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+        ran = f"global_step {steps}" in r.stdout or strategy == "ddp_spawn"  # spawn: the main process's trainer keeps 0
+        assert r.returncode == 0 and ran and "weights match True" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+        assert _pointers(tmp_path / "ckpts")["last.ckpt"] == steps and steps in _steps(tmp_path / "store")
+
+
+def test_the_plugin_travels_to_spawned_workers_as_its_configuration_and_hands_weights_back(tmp_path):
+    import pickle
+
+    io = LightningCheckpointIO(tmp_path / "store", keep_local=3)
+    copy = pickle.loads(pickle.dumps(io))
+    assert copy.directory == io.directory and copy._options == io._options and copy._options["keep_local"] == 3 and copy.manager is None
+    weights = {"net.weight": torch.randn(2, 3), "net.bias": torch.zeros(2)}  # a bare state_dict: no global_step
+    copy.save_checkpoint(weights, tmp_path / "tmp" / ".temp.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "tmp" / ".temp.ckpt")
+    assert sorted(loaded) == sorted(weights) and all(torch.equal(loaded[k], v) for k, v in weights.items())
+    assert copy.manager is None and not (tmp_path / "store").exists()  # no step, no manager
+    io.remove_checkpoint(tmp_path / "tmp" / ".temp.ckpt")
+    assert not (tmp_path / "tmp" / ".temp.ckpt").exists()
+    torch.save({"state_dict": weights}, tmp_path / "plain.ckpt")  # a torch.save file of someone else's is still refused
+    with pytest.raises(CheckpointError, match="not a LightningCheckpointIO pointer file"):
+        io.load_checkpoint(tmp_path / "plain.ckpt")
+    io.save_checkpoint({"global_step": 1, "state_dict": weights}, tmp_path / "ckpts" / "last.ckpt")
+    with pytest.raises(CheckpointConfigError, match="cannot be sent to another process"):
+        pickle.dumps(io)
+    io.teardown()
 
 
 def test_a_copied_run_loads_from_its_own_store(tmp_path):

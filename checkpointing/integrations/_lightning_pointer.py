@@ -58,10 +58,15 @@ def new_save_id() -> str:
 
 
 def write_pointer(path: str, pointer: Pointer) -> None:
-    """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part."""
+    """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part. CheckpointError
+    when it cannot be written (the step it names is committed)."""
     body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
             "overrides": pointer.overrides, "keys": None if pointer.keys is None else list(pointer.keys), "renames": pointer.renames}
-    _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
+    try:
+        _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the pointer file {path} for step {pointer.step} ({exc}); "
+                              f"the step is committed in {pointer.directory}") from exc
 
 
 def holds(directory: str, step: int, save_id: str, key: str) -> bool:

@@ -8,16 +8,12 @@
                       callbacks=[ModelCheckpoint(dirpath="ckpts", save_last=True)])
     trainer.fit(model, ckpt_path="last")
 
-`save_checkpoint` returns after the snapshot (CheckpointManager.save); writing, fsync and commit go on in
-the background. The manager opens after the first optimizer step (or at the first save).
-`teardown` (end of fit/validate/test) waits until every save is durable and its pointers written,
-deletes what Lightning removed, closes the manager and raises the error of a failed save.
-
-Paths and steps (docs/design.md, "The Lightning plugin"): steps are numbered by `global_step`; at each
-path Lightning saves to a small JSON *pointer file* (_lightning_pointer.py) names the step once it is
-committed, so `ckpt_path="last"` never resolves to a half-written step. A second save at one global
-step is an alias of the step where it can be (_lightning_same_step.py); removed pointers release their
-steps, deleted once nothing names them. Never pickles. For inference, `io.load_module(MyModule, path)`.
+`save_checkpoint` returns after the snapshot; writing and commit go on in the background. `teardown` (end
+of fit/validate/test) waits until every save is durable and its pointers written, deletes what Lightning
+removed, closes the manager and raises a failed save's error. Steps are numbered by `global_step`; at each
+path a small JSON pointer file (_lightning_pointer.py) names the committed step; a second save at one step
+is an alias where it can be (_lightning_same_step.py). The rules: docs/design.md, "The Lightning plugin".
+Never pickles (the spawn launchers' weights hand-off: _lightning_transfer.py). Inference: `io.load_module`.
 """
 
 from __future__ import annotations
@@ -40,6 +36,7 @@ from checkpointing.errors import (CheckpointConfigError, CheckpointError, Checkp
                                   CheckpointSaveError, CheckpointUploadError, StateError)
 from checkpointing.integrations import _lightning_pointer as ptr
 from checkpointing.integrations import _lightning_same_step as same
+from checkpointing.integrations import _lightning_transfer as weights
 from checkpointing.integrations import _lightning_values as vals
 from checkpointing.integrations._lightning_module import module_from
 from checkpointing.integrations._saving import save_past_upload_errors
@@ -73,7 +70,13 @@ class LightningCheckpointIO(CheckpointIO):
         self._errors: list[BaseException] = []  # failed saves seen by done callbacks, raised at the next call
         self._reported: set[int] = set()  # failed steps the manager raised itself already
         self._opener: Any = None
+        self._user_codecs = tuple(codecs)
         self._arm()
+
+    def __reduce__(self) -> tuple:  # Lightning's spawn launcher sends the plugin to its workers: a new one with this configuration
+        if self._mgr is not None:
+            raise CheckpointConfigError("a LightningCheckpointIO that has saved cannot be sent to another process: create it there")
+        return functools.partial(type(self), codecs=self._user_codecs, **self._options), (self.directory,)
 
     @property
     def manager(self) -> CheckpointManager | None:
@@ -87,6 +90,8 @@ class LightningCheckpointIO(CheckpointIO):
                                         "options to LightningCheckpointIO(dir, ...) instead")
         self._raise_errors()
         target = vals.local_path(path)
+        if weights.is_weights(checkpoint):  # the spawn/fork launchers' hand-off to the main process (_lightning_transfer.py)
+            return weights.save(checkpoint, target)
         step = checkpoint.get("global_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointConfigError(f"the checkpoint for {target} has global_step={step!r}: LightningCheckpointIO numbers steps by it")
@@ -127,6 +132,8 @@ class LightningCheckpointIO(CheckpointIO):
         if not os.path.exists(target):
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
         pointer = ptr.read_pointer(target)
+        if pointer is None and (handed := weights.load(target, map_location)) is not None:
+            return handed
         if pointer is None:
             raise CheckpointError(f"{target} is not a LightningCheckpointIO pointer file (a torch.save checkpoint?): "
                                   "LightningCheckpointIO never unpickles; load it with Lightning's TorchCheckpointIO, or "
@@ -237,15 +244,13 @@ class LightningCheckpointIO(CheckpointIO):
             self._dirs |= ptr.read_dirs(self._mgr.storage)  # the folders earlier runs' pointers are in: their steps stay
         return self._mgr
 
-    def _at_exit(self) -> None:
-        """A save_checkpoint as a script's last line: its pointers are written before the interpreter exits."""
+    def _at_exit(self) -> None:  # a save_checkpoint as a script's last line: its pointers are written before the interpreter exits
         try:
             self.teardown()
         except Exception as exc:  # noqa: BLE001 - exiting: report, do not raise
             log.error("checkpointing: LightningCheckpointIO at exit: %s", exc)
 
-    def _journal(self) -> None:
-        """Record the doomed steps (the lock held) before a pointer moves off one: after a crash the next run deletes them."""
+    def _journal(self) -> None:  # record the doomed steps (the lock held) before a pointer moves off one: a crash leaves them to the next run
         if self._mgr is not None:
             ptr.write_released(self._mgr.storage, self._doomed & self._on_disk)
 
@@ -292,11 +297,7 @@ class LightningCheckpointIO(CheckpointIO):
         if old is not None and old.directory == self.directory and old.step != step:
             self._doomed.add(old.step)
             self._journal()
-        try:
-            ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides, keys, renames))
-        except OSError as exc:
-            raise CheckpointError(f"cannot write the pointer file {target} for step {step} ({exc}); "
-                                  f"the step is committed in {self.directory}") from exc
+        ptr.write_pointer(target, ptr.Pointer(self.directory, step, entry.save_id, overrides, keys, renames))
         self._dirs.add(os.path.dirname(target))
         if self._mgr is not None:
             ptr.remember_dirs(self._mgr.storage, self._dirs)
