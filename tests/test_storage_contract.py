@@ -593,8 +593,10 @@ def test_gc_removes_a_killed_puts_temporaries_at_the_root_and_nothing_else(tmp_p
     with CheckpointManager(tmp_path / "ck") as mgr:
         mgr.save(1, {"w": torch.ones(4)}).wait()
     left = ["metrics.jsonl.tmp-0123456789ab", "TIER.tmp-aaaaaaaaaaaa"]
-    for name in left:
+    for name in left + ["metrics.jsonl.tmp-cccccccccccc"]:
         (tmp_path / "ck" / name).write_bytes(b"partial")
+    for name in left:  # a killed process's, two hours ago; the third is a put in flight now in another process
+        os.utime(tmp_path / "ck" / name, (time.time() - 7200, time.time() - 7200))
     mine = ["notes.txt", "metrics.jsonl.tmp-xyz", "model.tmp-0123456789abc", "notes.tmp-0123456789ab"]  # the user's
     for name in mine:
         (tmp_path / "ck" / name).write_bytes(b"keep")
@@ -603,7 +605,8 @@ def test_gc_removes_a_killed_puts_temporaries_at_the_root_and_nothing_else(tmp_p
         (tmp_path / "ck" / name / "scores.json").write_text("{}")
         mine.append(name)
     storage = LocalStorage(tmp_path / "ck")
-    assert {g.path for g in collect.collect(storage, min_age_s=3600).garbage} == set()  # young: maybe a live put's
+    assert {g.path for g in collect.collect(storage, min_age_s=3 * 3600).garbage} == set()  # younger than min_age_s
     assert {g.path for g in collect.collect(storage).garbage} == set(left)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name in left + mine) == sorted(mine)
+    assert (tmp_path / "ck" / "metrics.jsonl.tmp-cccccccccccc").exists()
     assert load(tmp_path / "ck")["w"].sum() == 4

@@ -111,7 +111,7 @@ def collect(
     for s in committed if scan_committed else ():
         if s in refs.own:
             sweep.committed_step(s, refs.own[s])
-    for path in [p for p in (temporaries.root_temporaries(storage) if scan_committed else []) if not ages.young(p)]:
+    for path in [p for p in (temporaries.root_temporaries(storage) if scan_committed else []) if temporaries.stale(ages.age(p), ages.min_age_s)]:
         sweep.drop(path, "a temporary file a killed writer left at the root")  # a killed put's (temporaries.py)
     if drop_spares:
         sweep.spares()
