@@ -65,7 +65,10 @@ class LocalStorage:
             except FileExistsError:  # ranks sharing a tier race to create it
                 continue
             if self.fsync:
-                fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: links followed
+                try:
+                    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: links followed
+                except PermissionError:  # a parent we may create in but not read (mode --x): its entry is the filesystem's to keep
+                    continue
                 try:
                     os.fsync(fd)
                 finally:
