@@ -225,7 +225,8 @@ def _stale_uploads(storage: Storage, min_age_s: float, *, abort: bool) -> list[t
 
 
 def _has_lock_file(storage: object) -> bool:
-    return _lock_root(storage) is not None and os.path.lexists(os.path.join(_lock_root(storage), writer_lock.LOCK_NAME))
+    root = _lock_root(storage)
+    return root is not None and os.path.lexists(root / writer_lock.LOCK_NAME)
 
 
 def _lock_root(storage: object) -> Path | None:
@@ -233,8 +234,8 @@ def _lock_root(storage: object) -> Path | None:
     directory a manager writes as its local tier (it has a WRITER file); none for other tiers."""
     if isinstance(storage, LocalStorage):
         return storage.root
-    if isinstance(storage, FsspecStorage) and storage.url.startswith("file://"):
-        root = Path(storage.url[len("file://"):])
+    if isinstance(storage, FsspecStorage) and storage.endpoint.is_local:
+        root = Path(storage.root)  # the path fsspec resolved from the URL
         return root if os.path.lexists(root / writer_lock.LOCK_NAME) else None
     return None
 
