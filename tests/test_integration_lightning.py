@@ -517,8 +517,10 @@ def test_the_plugin_travels_to_spawned_workers_as_its_configuration_and_hands_we
     io.remove_checkpoint(tmp_path / "tmp" / ".temp.ckpt")
     assert not (tmp_path / "tmp" / ".temp.ckpt").exists()
     torch.save({"state_dict": weights}, tmp_path / "plain.ckpt")  # a torch.save file of someone else's is still refused
-    with pytest.raises(CheckpointError, match="not a LightningCheckpointIO pointer file"):
-        io.load_checkpoint(tmp_path / "plain.ckpt")
+    torch.save({"hyper_parameters": argparse.Namespace(lr=0.1)}, tmp_path / "objects.ckpt")  # one weights_only cannot read
+    for other in ("plain.ckpt", "objects.ckpt"):
+        with pytest.raises(CheckpointError, match="not a LightningCheckpointIO pointer file"):
+            io.load_checkpoint(tmp_path / other)
     io.save_checkpoint({"global_step": 1, "state_dict": weights}, tmp_path / "ckpts" / "last.ckpt")
     with pytest.raises(CheckpointConfigError, match="cannot be sent to another process"):
         pickle.dumps(io)

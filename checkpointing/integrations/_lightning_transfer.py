@@ -10,6 +10,7 @@ mark of ours, and read back only with `torch.load(weights_only=True)`, which exe
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 from typing import Any
 
@@ -41,6 +42,6 @@ def load(target: str, map_location: Any) -> dict[str, Any] | None:
             if f.read(4) != b"PK\x03\x04":  # a torch.save zip file: what else is read here is never unpickled
                 return None
         obj = torch.load(target, map_location=map_location, weights_only=True)
-    except (OSError, RuntimeError, ValueError, EOFError, ImportError, AttributeError):
-        return None
+    except (OSError, RuntimeError, ValueError, EOFError, ImportError, AttributeError, pickle.UnpicklingError):
+        return None  # not ours: a type weights_only refuses (a Lightning checkpoint's hyper-parameters), or damaged
     return obj["state_dict"] if isinstance(obj, dict) and obj.get(MARK) == 1 else None
