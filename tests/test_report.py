@@ -345,3 +345,24 @@ def test_a_line_torn_by_a_crash_does_not_swallow_the_next_record(tmp_path):
         f.write('{"step": 2, "ok": tr')  # an append cut short
     append_jsonl(path, stats(3, 0.1))
     assert [r["step"] for r in summary.load_records(tmp_path)] == [1, 3]
+
+
+def test_ranks_sharing_a_file_are_one_save_each_in_step_order_and_last_counts_saves(tmp_path):
+    # two ranks append as they finish: rank 1's record of step 20 lands before rank 0's record of step 10
+    def rec(step, rank, ok=True):
+        return stats(step, 0.1 + rank / 10).as_dict() | {"rank": rank, "world_size": 2, "ok": ok,
+                                                           "error": None if ok else "disk full"}
+    recs = [rec(10, 1), rec(20, 1), rec(10, 0), rec(20, 0, ok=False), rec(30, 0), rec(30, 1),
+            rec(10, 1), rec(10, 0)]  # a later run saved step 10 again: another save
+    cols = table_columns(render(report.saves_table(recs)))
+    assert list(zip(cols["step"], cols["rank"])) == [("10", "0"), ("10", "1"), ("20", "0"), ("20", "1"), ("30", "0"),
+                                                    ("30", "1"), ("10", "0"), ("10", "1")]
+    s = summary.summarize(recs)
+    assert (s.saves, s.ok, s.failed) == (4, 3, 1)  # a save fails when one rank's record failed
+    assert "4 saves, 3 ok, 1 failed" in render(report.summary_table(s))
+    assert [(r["step"], r["rank"]) for r in summary.to_json(recs)["saves"]][:4] == [(10, 0), (10, 1), (20, 0), (20, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    code, out = cli(str(tmp_path), "--json", "--last", "2")
+    doc = json.loads(out)
+    assert [(r["step"], r["rank"]) for r in doc["saves"]] == [(30, 0), (30, 1), (10, 0), (10, 1)]
+    assert (doc["summary"]["saves"], doc["summary"]["ok"]) == (2, 2)

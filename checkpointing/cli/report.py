@@ -27,7 +27,7 @@ from checkpointing.cli.targets import add_target, open_target
 from checkpointing.errors import CheckpointConfigError
 from checkpointing.format.naming import METRICS_NAME
 from checkpointing.observe.metrics import MAX_METRICS_BYTES, parse_jsonl
-from checkpointing.observe.summary import Record, Summary, load_records, number, recorded, succeeded, summarize, to_json
+from checkpointing.observe.summary import Record, Summary, by_save, load_records, number, recorded, succeeded, summarize, to_json
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -63,7 +63,9 @@ def _unit(kind: str, values: list[float | None]) -> fmt.Unit:
 
 
 def saves_view(records: Sequence[Record], title: str = "saves", *, wide: bool = False, width: int | None = None) -> tables.View:
-    """One row per save: step, the phases that matter (--wide: all), bytes, overhead, ok/error, fitted to `width`."""
+    """One row per save (and rank, ordered by save then rank): step, the phases that matter (--wide: all), bytes,
+    overhead, ok/error, fitted to `width`."""
+    records = [r for save in by_save(records) for r in save]
     cols = [c for c in _COLUMNS if recorded(records, c[0])]
     tier_names = {r.get("tier") for r in records if isinstance(r.get("tier"), str)}
     ranks = any((number(r, "world_size") or 1) > 1 or (number(r, "rank") or 0) > 0 for r in records)
@@ -278,11 +280,12 @@ def _records(target: str, option_pairs: list[str]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Run ``checkpointing report``. Exit codes: 0 fine, 2 bad usage or nothing to show (the error on stderr)."""
     try:
-        records = _records(args.dir, args.storage_option)
+        saves = by_save(_records(args.dir, args.storage_option))
         if args.last is not None:
             if args.last < 1:
                 raise fmt.CommandFailed(f"--last must be >= 1, got {args.last}")
-            records = records[-args.last:]
+            saves = saves[-args.last:]  # the last saves, every rank's record of each
+        records = [r for save in saves for r in save]
         if not records:
             raise fmt.CommandFailed(f"{args.dir}: no save metrics recorded ({METRICS_NAME} is missing or empty)")
         if args.mtbf is not None and not args.mtbf > 0:

@@ -29,8 +29,8 @@ from checkpointing.format.naming import METRICS_NAME
 from checkpointing.observe.metrics import read_jsonl
 from checkpointing.plan import advice
 
-__all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "load_records", "number", "recorded", "succeeded",
-           "summarize", "to_json"]
+__all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "by_save", "load_records", "number", "recorded",
+           "succeeded", "summarize", "to_json"]
 
 Record = Mapping[str, Any]  # one metrics record: a JSON object, as SaveStats.as_dict() writes it
 
@@ -88,6 +88,26 @@ def succeeded(rec: Record) -> bool:
     return ok if isinstance(ok, bool) else rec.get("error") is None
 
 
+def by_save(records: Sequence[Record]) -> list[list[Record]]:
+    """The records grouped into saves, in the order the saves first appear, each save's records by rank.
+
+    Ranks that share a directory append one record each per save, in the order they finish, so one
+    save's records may interleave with the next one's. The k-th record of each rank at one step (and
+    world size) belongs to the k-th save of that step: a step saved again by a later run is another
+    save. A record without a rank, or without a step, is a save of its own rank 0, or of its own."""
+    groups: dict[tuple, list[Record]] = {}
+    seen: dict[tuple, int] = {}
+    for i, r in enumerate(records):
+        step, rank, world = r.get("step"), r.get("rank"), r.get("world_size")
+        if not isinstance(step, int) or isinstance(step, bool):
+            groups[("record", i)] = [r]
+            continue
+        rank_key = (step, world if isinstance(world, int) else None, rank if isinstance(rank, int) else 0)
+        nth = seen[rank_key] = seen.get(rank_key, -1) + 1
+        groups.setdefault(rank_key[:2] + (nth,), []).append(r)
+    return [sorted(g, key=lambda r: number(r, "rank") or 0.0) for g in groups.values()]
+
+
 def _scalar(v: Any) -> Any:
     """A JSON scalar as is; anything else (lists, objects, NaN, infinities) as None."""
     if isinstance(v, float) and not math.isfinite(v):
@@ -138,7 +158,8 @@ class Spread:
 class Summary:
     """Over successful saves (failed ones are only counted; the bytes and the cost also count saves
     committed locally whose upload failed). Spreads are None without data.
-    Records of several ranks (``rank``/``world_size`` fields) each count as one sample.
+    saves, ok, failed count saves (:func:`by_save`: the records of a save's ranks are one save, ok
+    when every rank's is); in the spreads each rank's record counts as one sample.
 
     stall_s, total_s: from SaveStats. step_stall_s, slowdown_s, overhead_pct: from step accounting,
     when recorded. cost_s: per save stall_s + slowdown_s (the C of checkpointing.advice).
@@ -174,6 +195,8 @@ def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s:
     """Summary of ``records``; with ``mtbf_s`` (seconds) also the recommended interval for a cost
     of the median per-save ``stall_s + slowdown_s``. Raises CheckpointConfigError for a bad MTBF."""
     good = [r for r in records if succeeded(r)]
+    saves = by_save(records)
+    good_saves = sum(all(succeeded(r) for r in save) for save in saves)
     local = [r for r in records if succeeded(r) or r.get("committed") is True]  # an upload that failed: the loop paid all the same
 
     def col(key: str, among: Sequence[Record] = good) -> list[float]:
@@ -193,7 +216,7 @@ def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s:
             raise CheckpointConfigError("no successful save with a recorded stall: cannot estimate the checkpoint cost")
         rec_advice = advice.advise(statistics.median(costs), mtbf_s, step_time_s=step_time, restart_s=restart_s)
     return Summary(
-        saves=len(records), ok=len(good), failed=len(records) - len(good),
+        saves=len(saves), ok=good_saves, failed=len(saves) - good_saves,
         stall_s=Spread.of(col("stall_s")), total_s=Spread.of(col("total_s")), cost_s=Spread.of(costs),
         step_stall_s=Spread.of(col("step_stall_s")), slowdown_s=Spread.of(col("slowdown_s")),
         overhead_pct=Spread.of(col("overhead_pct")),
@@ -209,13 +232,13 @@ def to_json(records: Sequence[Record], mtbf_s: float | None = None, *, source: s
 
     ``{"schema": "checkpointing.report/1", "source": str|null, "plot": str|null,
     "saves": [{k: value|null for k in SAVE_KEYS}], "summary": Summary.as_dict() without "advice",
-    "advice": IntervalAdvice.as_dict()|null}``. Spreads are ``{"p50","p90","p99","max","mean"}``
+    "advice": IntervalAdvice.as_dict()|null}``. "saves" has a row per record, ordered as :func:`by_save`. Spreads are ``{"p50","p90","p99","max","mean"}``
     or null; times in seconds, sizes in bytes, throughputs in bytes/s, ``overhead_pct`` in percent.
     """
     summary = summarize(records, mtbf_s).as_dict()
     adv = summary.pop("advice")
     saves = []
-    for r in records:
+    for r in (r for save in by_save(records) for r in save):
         row: dict[str, Any] = {k: (number(r, k) if k.endswith(("_s", "_pct")) else _scalar(r.get(k))) for k in SAVE_KEYS}
         row["ok"] = succeeded(r)
         saves.append(row)
