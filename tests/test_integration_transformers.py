@@ -10,6 +10,7 @@ and the scheduler restored). Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -187,7 +188,7 @@ def test_uninterrupted_run_matches_transformers_trainer(reference: dict[str, Any
         folder = out / f"checkpoint-{step}"
         assert sorted(os.listdir(folder)) == ["checkpointing.json", "trainer_state.json"]
         assert transformers.TrainerState.load_from_json(str(folder / "trainer_state.json")).global_step == step
-    assert not any(name.startswith(".") for name in os.listdir(out))  # no staging folder left
+    assert [n for n in os.listdir(out) if n.startswith(".")] == [markers.PUBLISHED_NAME]  # no staging folder left
     tree = checkpointing.load(out / "checkpointing", 12)
     assert set(tree) == {"model", "optimizer", "scheduler", "rng", "trainer"}
     for k, v in reference["final"]["model"].items():
@@ -250,12 +251,33 @@ def test_folder_of_an_uncommitted_step_is_never_resumed(crash: str, interrupted:
     assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
 
 
+def lose_folder_before_publication(out: Path, step: int) -> None:
+    """What a run that died between the commit of `step` and the rename of its folder leaves: no folder, none recorded."""
+    shutil.rmtree(out / f"checkpoint-{step}")
+    record = out / markers.PUBLISHED_NAME
+    doc = json.loads(record.read_text())
+    doc["published"] = [e for e in doc["published"] if e[0] != step]
+    record.write_text(json.dumps(doc))
+
+
 def test_folder_lost_after_commit_is_rebuilt_from_the_step(interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:
     out = copy_of(interrupted, tmp_path)
-    shutil.rmtree(out / "checkpoint-8")  # the run died between the commit of step 8 and the rename of its folder
+    lose_folder_before_publication(out, 8)
     _, start = resume(out, True, reference)
     assert start == CRASH_AT
     assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+
+
+def test_removing_the_newest_folder_rolls_back_as_with_the_stock_trainer(interrupted: Path, reference: dict[str, Any],
+                                                                         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = copy_of(interrupted, tmp_path)
+    assert {step for step, _ in markers.published(str(out))} == {4, 8}
+    shutil.rmtree(out / "checkpoint-8")  # the user rolls back to checkpoint-4
+    with caplog.at_level("WARNING", logger="checkpointing"):
+        _, start = resume(out, True, reference)
+    assert start == 4  # not step 8, whose folder the user removed
+    assert "not those of steps [8], removed since they were written" in caplog.text
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")  # the run saved step 8 again, replacing it
 
 
 def test_a_checkpoint_folder_copied_into_another_run_is_refused(interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:
@@ -401,7 +423,7 @@ def test_two_processes_resume_the_same_folder_after_one_was_lost(tmp_path: Path)
         return done.stdout
 
     torchrun(10, "fresh")
-    shutil.rmtree(out / "checkpoint-10")  # committed, its folder never renamed into place
+    lose_folder_before_publication(out, 10)  # committed, its folder never renamed into place
     log = torchrun(15, "resume")
     assert "START 0 10" in log and "START 1 10" in log and "DONE 0 15" in log and "DONE 1 15" in log, log
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15"]

@@ -18,6 +18,11 @@ A folder is prepared under a hidden name (`.staging-checkpoint-N-<hex>`, which n
 step is committed (`publish`: files fsynced, then the rename, then the parent fsynced). A folder is
 removed by renaming it to `.removing-...` first, so a crash never leaves a half-deleted
 `checkpoint-N`. Leftovers of both kinds are removed when a run starts (`remove_leftovers`).
+
+`output_dir/.checkpointing-published.json` records the folders published there, as
+{"transformers_checkpointing": 1, "published": [[N, save_id], ...]} (`record_published`): a
+committed step whose folder is missing is written again on resume unless its folder was
+published in that output_dir and someone removed it since (a roll-back, as with the stock Trainer).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ VERSION = 1
 MAX_POINTER_BYTES = 1 << 16
 _FOLDER = re.compile(rf"^{PREFIX}-(\d+)$")  # what get_last_checkpoint matches
 _STAGING, _REMOVING = ".staging-", ".removing-"
+PUBLISHED_NAME = ".checkpointing-published.json"
+MAX_PUBLISHED = 4096  # entries kept in the record (the oldest go first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +72,7 @@ def stage(run_dir: str, step: int) -> str:
 
 
 def publish(staging: str, folder: str, pointer: Pointer) -> None:
-    """Write `pointer` into `staging`, make its files durable, and rename it to `folder` (replacing one there)."""
+    """Write `pointer` into `staging`, make its files durable, rename it to `folder` (replacing one there), record it."""
     parent = os.path.dirname(folder)
     directory = pointer.directory
     if os.path.commonpath([directory, os.path.abspath(parent)]) == os.path.abspath(parent):
@@ -82,6 +89,33 @@ def publish(staging: str, folder: str, pointer: Pointer) -> None:
         remove(folder)
     os.rename(staging, folder)
     _fsync(parent, os.O_RDONLY)
+    record_published(parent, pointer.step, pointer.save_id)
+
+
+def published(run_dir: str) -> set[tuple[int, str]]:
+    """The (step, save_id) of the folders published in `run_dir`; empty when there is no readable record."""
+    try:
+        with open(os.path.join(run_dir, PUBLISHED_NAME), "rb") as f:
+            obj = json.loads(f.read(MAX_PUBLISHED * 64 + 4096).decode("utf-8"))
+        entries = obj["published"] if isinstance(obj, dict) and obj.get(MAGIC) == VERSION else []
+        return {(e[0], e[1]) for e in entries if isinstance(e, list) and len(e) == 2
+                and isinstance(e[0], int) and not isinstance(e[0], bool) and isinstance(e[1], str)}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def record_published(run_dir: str, step: int, save_id: str | None) -> None:
+    """Add checkpoint-`step` (the save `save_id`) to `run_dir`'s record of published folders."""
+    if save_id is None:
+        return
+    entries = sorted(published(run_dir) | {(step, save_id)})[-MAX_PUBLISHED:]
+    path = os.path.join(run_dir, PUBLISHED_NAME)
+    tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({MAGIC: VERSION, "published": [list(e) for e in entries]}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_pointer(folder: str) -> Pointer | None:

@@ -16,9 +16,9 @@ step with the committed steps:
   moments; resolve() checks the step, so it is never resumed from.)
 - resolve(folder): the step a `checkpoint-N` folder names, only if it is committed.
   latest(output_dir): the newest such folder, after writing again the folders of committed steps
-  that have none (the run died between a commit and the rename, or output_dir was lost and the
-  steps come from the remote tier) from the steps themselves (each step holds its
-  trainer_state.json text and the list of its contents under "trainer").
+  that have none (the run died between a commit and the rename, or output_dir was lost) from the
+  steps themselves (each holds its trainer_state.json text and contents under "trainer"); not
+  folders published there and removed since (a roll-back: _hf_markers.py records publications).
 - A save at a step an earlier run committed (a run resumed from an older checkpoint) replaces it,
   as the Trainer overwrites a folder: the folder goes, then the step (mgr.delete), then the save.
 """
@@ -226,18 +226,19 @@ class TrainerCheckpoints:
 
         Committed steps of the manager without a folder of that name (the run died between a commit
         and its rename, or output_dir was lost and the steps come from the remote tier) get theirs
-        again first, written from the step itself."""
+        again first, written from the step itself; not a folder that was published in output_dir and
+        removed since (a roll-back to an older checkpoint, as with the stock Trainer)."""
         output_dir = os.path.abspath(output_dir)
         mgr = self.open()
         chosen: str | None = None
         if self._markers:
             have = {n for n, _ in markers.scan(output_dir)}
             missing = [s for s in mgr.steps() if s not in have]
-            for step in missing:
-                self._rebuild(output_dir, step)
+            rebuilt = [step for step in missing if self._rebuild(output_dir, step, markers.published(output_dir))]
             if missing:
-                log.warning("checkpointing: wrote the checkpoint folders of steps %s in %s again from %s (they had none)",
-                            missing, output_dir, self.root)
+                log.warning("checkpointing: wrote the checkpoint folders of steps %s in %s again from %s (they had none); "
+                            "not those of steps %s, removed since they were written (their steps stay until a save replaces "
+                            "them or `checkpointing rm` deletes them)", rebuilt, output_dir, self.root, sorted(set(missing) - set(rebuilt)))
             chosen = self._newest_resolving(output_dir)
         if mgr.world_size == 1:
             return chosen if self._markers else self._newest_resolving(output_dir)
@@ -253,16 +254,20 @@ class TrainerCheckpoints:
                 log.warning("checkpointing: not resuming from %s: %s", folder, exc)
         return None
 
-    def _rebuild(self, output_dir: str, step: int) -> None:
-        """The folder of committed `step`, from the step's own record; read with load() (process 0 alone
-        writes folders: a restore() would be a collective call), from the remote tier if need be."""
-        box = load_any_tier(self.root, step, self._options.get("remote"), self._options.get("storage_options"), keys=TRAINER_KEY, rank=0)
+    def _rebuild(self, output_dir: str, step: int, removed: set[tuple[int, str]]) -> bool:
+        """The folder of committed `step` from the step's own record, read with load() (process 0 alone writes folders: a
+        restore() is collective), from the remote tier if need be; False, nothing written, when `removed` names its save."""
+        remote, options = self._options.get("remote"), self._options.get("storage_options")
+        rec = load_any_tier(self.root, step, remote, options, keys=TRAINER_KEY, rank=0)[TRAINER_KEY]
+        if (step, rec.get("save_id")) in removed:
+            return False
         staging = markers.stage(output_dir, step)
         with open(os.path.join(staging, markers.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-            f.write(box[TRAINER_KEY]["state_json"])
+            f.write(rec["state_json"])
+        pointer = markers.Pointer(self.root, step, tuple(rec["contents"].split(",")), rec.get("save_id"))
         with self._lock:
-            markers.publish(staging, os.path.join(output_dir, markers.folder_name(step)),
-                            markers.Pointer(self.root, step, tuple(box[TRAINER_KEY]["contents"].split(",")), box[TRAINER_KEY].get("save_id")))
+            markers.publish(staging, os.path.join(output_dir, markers.folder_name(step)), pointer)
+        return True
 
     def restore(self, source: Source, state: Mapping[str, Any]) -> None:
         """Restore the keys of `state` from `source`'s step, in place."""
@@ -388,9 +393,6 @@ def _saved_by(directory: str, step: int) -> str | None:
 
 def _metrics(values: Mapping[str, float]) -> dict[str, float]:
     """The numbers save(..., metrics=) accepts (at most 64 finite values with printable names)."""
-    out: dict[str, float] = {}
-    for name, v in values.items():
-        if isinstance(name, str) and 1 <= len(name) <= 128 and name.isprintable() and isinstance(v, (int, float)) \
-                and not isinstance(v, bool) and math.isfinite(v) and len(out) < 64:
-            out[name] = float(v)
-    return out
+    good = {name: float(v) for name, v in values.items() if isinstance(name, str) and 1 <= len(name) <= 128 and name.isprintable()
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return dict(list(good.items())[:64])
