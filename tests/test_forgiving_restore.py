@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import checkpointing
 from checkpointing import CheckpointManager, CheckpointMismatchError
 
 
@@ -109,3 +110,125 @@ def test_a_pattern_that_matches_nothing_is_an_error(mgr):
     with pytest.raises(CheckpointMismatchError, match="'optimizer'.*matches no key"):
         mgr.restore({"model": target}, exclude="optimizer")
     assert not _same(target, model)
+
+
+@pytest.mark.parametrize("compiled_target", [True, False])
+def test_patterns_meet_names_that_differ_by_a_wrapper(tmp_path, compiled_target):
+    """only=/exclude= written for either naming select the same parameters, never nothing in silence."""
+    saved = Net(0)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"model": saved if compiled_target else torch.compile(saved)}).wait()
+        for kw, restored_first in ((dict(only="model/layers.0.*"), True), (dict(only="model/_orig_mod.layers.0.*"), True),
+                                   (dict(exclude="model/layers.0.*"), False), (dict(exclude="model/_orig_mod.layers.0.*"), False)):
+            fresh = Net(1)
+            target = torch.compile(fresh) if compiled_target else fresh
+            assert mgr.restore({"model": target}, **kw) == 1
+            assert torch.equal(fresh.layers[0].weight, saved.layers[0].weight) is restored_first, kw
+            assert torch.equal(fresh.layers[1].weight, saved.layers[1].weight) is not restored_first, kw
+    got = checkpointing.load(tmp_path / "ck", keys="model/layers.0.weight")["model"]
+    assert [torch.equal(v, saved.layers[0].weight) for v in got.values()] == [True]
+
+
+def _ddp_saved_restores_into_a_plain_model(rank, world, root):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = Net(0)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": DDP(model)}).wait()
+    plain = Net(1)
+    with CheckpointManager(root, read_only=True) as mgr:  # and the other way: a plain save into DDP
+        assert mgr.restore({"model": plain}) == 1
+    assert _same(plain, model)
+    other = Net(2)
+    with CheckpointManager(f"{root}-plain") as mgr:
+        mgr.save(1, {"model": other}).wait()
+        wrapped = DDP(Net(3))
+        assert mgr.restore({"model": wrapped}, only="model/layers.1.*") == 1
+    return torch.equal(wrapped.module.layers[1].weight, other.layers[1].weight), torch.equal(wrapped.module.layers[0].weight, other.layers[0].weight)
+
+
+def test_distributed_data_parallel_names_meet_plain_ones(tmp_path):
+    from _dist import run_ranks
+
+    assert run_ranks(_ddp_saved_restores_into_a_plain_model, 1, str(tmp_path / "ck"), tmp=tmp_path) == [(True, False)]
+
+
+def test_exclude_may_name_a_key_only_the_target_has(mgr):
+    """The error for a key the step lacks suggests exclude=[...]: that works."""
+    model = Net(0)
+    mgr.save(1, {"model": model}).wait()
+    fresh, ema = Net(1), torch.optim.swa_utils.AveragedModel(Net(2))
+    with pytest.raises(CheckpointMismatchError, match="ema: missing from the checkpoint"):
+        mgr.restore({"model": fresh, "ema": ema})
+    assert mgr.restore({"model": fresh, "ema": ema}, exclude=["ema"]) == 1 and _same(fresh, model)
+    with pytest.raises(CheckpointMismatchError, match="'emma'.*matches no key"):
+        mgr.restore({"model": fresh, "ema": ema}, exclude=["emma"])
+
+
+def _adam_stepped(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+
+
+def test_an_optimizer_state_is_replaced_whole_as_load_state_dict_does(mgr):
+    """Rewinding the live objects: parameters that got state after the save lose it, as with torch's own load."""
+    model = Net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.layers[0].requires_grad_(False)  # frozen at the save: no state for its parameters
+    _adam_stepped(model, opt)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    expect = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = Net(0)
+    reference.load_state_dict(expect)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(opt.state_dict())
+    model.layers[0].requires_grad_(True)
+    for _ in range(2):
+        _adam_stepped(model, opt)
+    assert len(opt.state_dict()["state"]) == 4
+    assert mgr.restore({"model": model, "optim": opt}, step=1) == 1
+    assert sorted(opt.state_dict()["state"]) == sorted(ref_opt.state_dict()["state"]) == [2, 3]
+    for m, o in ((model, opt), (reference, ref_opt)):
+        m.layers[0].requires_grad_(True)
+        _adam_stepped(m, o)
+    assert _same(model, reference)  # the same next step as an optimizer given the step's state by torch
+
+
+def test_lbfgs_history_of_another_length_restores(mgr):
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5))
+    opt = torch.optim.LBFGS([w], history_size=4, max_iter=3)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((w - 1) ** 4).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    mgr.save(1, {"w": w, "optim": opt}).wait()
+    saved = [t.clone() for t in opt.state_dict()["state"][0]["old_dirs"]]
+    for _ in range(3):
+        opt.step(closure)
+    assert len(opt.state_dict()["state"][0]["old_dirs"]) != len(saved)
+    assert mgr.restore({"w": w, "optim": opt}, step=1) == 1
+    got = opt.state_dict()["state"][0]["old_dirs"]
+    assert len(got) == len(saved) and all(torch.equal(a, b) for a, b in zip(got, saved))
+
+
+def test_part_of_a_parameters_state_into_a_fresh_optimizer_is_refused_before_anything_changes(mgr):
+    model = Net(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _adam_stepped(model, opt)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    fresh = Net(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    new_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    for kw in (dict(exclude="optim/state/*/step"), dict(only=["model", "optim/state/*/exp_avg"])):
+        with pytest.raises(CheckpointMismatchError, match=r"optim/state/0 .*the selection restores .* not \[.*'step'\]"):
+            mgr.restore({"model": fresh, "optim": new_opt}, **kw)
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # the model was not touched
+    _adam_stepped(fresh, new_opt)  # an optimizer that has state to complete it takes the part
+    assert mgr.restore({"model": fresh, "optim": new_opt}, exclude="optim/state/*/step") == 1
+    assert torch.equal(new_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

@@ -23,7 +23,7 @@ from checkpointing.state.codecs import Codec, codec_tuple
 from checkpointing.storage import Storage, open_storage
 from checkpointing.storage.redact import redact_url
 from checkpointing.tier import catalog
-from checkpointing.tier.opening import ReadOnlyLocalStorage
+from checkpointing.tier.opening import ReadOnlyLocalStorage, refuse_foreign
 from checkpointing.tier.identity import tier_id_of
 
 log = logging.getLogger("checkpointing")
@@ -119,8 +119,12 @@ def open_readonly(path_or_url: str | os.PathLike, storage_options: Mapping[str, 
         return open_storage(target, storage_options)
     if storage_options:
         raise CheckpointConfigError(f"storage_options apply to URLs such as s3://bucket/path, not to the directory {target!r}")
+    if Path(target).is_file():
+        raise CheckpointNotFoundError(f"{redact_url(target)} is a file: load() reads a checkpoint directory; a torch.save file comes in as "
+                                    f"a step with `checkpointing import {target} NEW_DIR` (checkpointing.interop.import_checkpoint)")
     if not Path(target).is_dir():
         raise CheckpointNotFoundError(f"{redact_url(target)}: no such checkpoint directory")
+    refuse_foreign(target, CheckpointNotFoundError)
     return ReadOnlyLocalStorage(target)  # refuses any write: load() changes nothing
 
 

@@ -9,7 +9,10 @@ parameters, position k of the flattened groups is the k-th name: the saved `stat
 one onto the target's. The target keeps its own `params` lists (its keying).
 
 `optimizer_problems` is what an optimizer's own load_state_dict() would refuse only after the model
-beside it was restored (other group sizes), or take without a word (another torch optimizer's state).
+beside it was restored (other group sizes), or take without a word (another torch optimizer's state);
+`partial_state` what it would fail on (a selection that restores part of a parameter's state into an
+optimizer that holds none for it). An optimizer's `state` is replaced whole, as load_state_dict()
+does: entries the step lacks are dropped, lists of another length (LBFGS's history) are taken.
 """
 
 from __future__ import annotations
@@ -63,3 +66,21 @@ def _saved_params(groups: dict) -> list[list[Any]] | None:
             return None
         out.append([p["value"] for p in params["list"]])
     return out or None
+
+
+def partial_state(state: Any, node: dict, renamed: Mapping[Any, Any]) -> list[tuple[tuple, str]]:
+    """(path below the optimizer, text) for each parameter whose state a selection restores in part, the rest
+    held neither by the target optimizer: `state` is what its load_state_dict() would get, `node` the saved optimizer."""
+    saved = dict(node["stateful"].get("dict", ())).get("state")
+    if not isinstance(state, Mapping) or not isinstance(saved, dict):
+        return []
+    out = []
+    for key, child in saved.get("dict", ()):
+        key = renamed.get(key, key)
+        entry = state.get(key)
+        want = {name for name, _ in child.get("dict", ())} if isinstance(child, dict) else set()
+        if isinstance(entry, Mapping) and want - set(entry):
+            out.append((("state", key), f"the selection restores {sorted(set(entry) & want)} of this parameter's state, not "
+                                        f"{sorted(want - set(entry))}, and the target optimizer holds no state to complete it (it has "
+                                        "not stepped): select its whole 'state/*' entries, or restore into an optimizer that has stepped"))
+    return out

@@ -24,9 +24,9 @@ from checkpointing.state.codecs import Codec
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
-from checkpointing.restore.optim_keys import key_map, optimizer_problems
+from checkpointing.restore.optim_keys import key_map, optimizer_problems, partial_state
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
-from checkpointing.restore.selection import Selection, plain_name, tree_keys, unmatched
+from checkpointing.restore.selection import NameMatch, Selection, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
 from checkpointing.state.sharding import dtensor_layout, is_dtensor
 from checkpointing.state.tree import is_stateful, join_key
@@ -83,6 +83,8 @@ class _Planner:
         self.loads: list[Callable[[], None]] = []
         self.param_hints: dict[tuple, torch.Tensor] = {}  # optimizer state path -> its parameter
         self.rekeyed: dict[tuple, dict] = {}  # optimizer state dict path -> saved state key -> target's (optim_keys.py)
+        self.target_keys: set[str] = set()  # the target's keys the walk met (exclude= may name one the step lacks)
+        self.replaced: set[tuple] = set()  # optimizers' state paths: replaced whole, as their load_state_dict() does
 
     def problem(self, path: tuple, text: str) -> None:
         self.problems.append(f"{join_key(path) or '<root>'}: {text}")
@@ -92,6 +94,8 @@ class _Planner:
         if OPTIONAL in node:
             self.new_layout |= bool(node.get(BORROWED))
             return self.value(target, node[OPTIONAL], path)
+        if target is not _MISSING and self._in_replaced(path) and not self._fits(target, node):
+            target = _MISSING  # an optimizer's state is replaced whole: a value of another kind or size is not read in place
         if (self.relaid or path[:-3] in self.rekeyed) and _lists_group_params(path) and isinstance(target, list):
             return target  # which parameters a group holds is the new layout's (its own), not saved state
         if PER_RANK in node:
@@ -219,7 +223,11 @@ class _Planner:
                     self.problem(path + where, text)
             params = [p for group in target.param_groups for p in group["params"]]
             self.param_hints.update({path + ("state", i): p for i, p in enumerate(params)})
+            self.replaced.add(path + ("state",))
         sd = self.mapping(target.state_dict(), node["stateful"], path)
+        if isinstance(target, torch.optim.Optimizer) and (self.select.only or self.select.exclude):
+            for where, text in partial_state(sd.get("state"), node, self.rekeyed.get(path, {})):
+                self.problem(path + where, text)
         if isinstance(target, torch.nn.Module):
             self.loads.append(lambda: target.load_state_dict(sd, strict=self.strict))
         else:
@@ -237,8 +245,9 @@ class _Planner:
                 self.rekeyed[path] = keyed
             renamed = self.rekeyed.get(path[:-1], {}) if path[-1:] == ("state",) else {}
             items = [(renamed.get(k, k), child) for k, child in items]
-            names = _NameMatch(target, [k for k, _ in items])
-            if not wildcard:
+            names = NameMatch(target, [k for k, _ in items])
+            self.target_keys.update(join_key(path + (k,)) for k in target)
+            if not wildcard and not self._in_replaced(path):
                 for k, v in target.items():
                     if not names.saved(k) and (top or _target_has_tensors(v)) and self.strict and self.select.wants(join_key(path + (k,))):
                         self.problem(path + (k,), "missing from the checkpoint")
@@ -247,7 +256,7 @@ class _Planner:
                 k = names.target_key(saved_key)
                 if k not in target and child.get(BORROWED):  # another rank's key, and this target does not want it
                     continue
-                if not self._selected(child, path + (k,)):
+                if not self._selected(child, path + (k,), *([join_key(path + (saved_key,))] if saved_key != k else [])):
                     if k in target:
                         out[k] = target[k]  # outside the selection: the target keeps its value
                     continue
@@ -267,38 +276,31 @@ class _Planner:
             return target
         return {k: self.value(_MISSING, child, path + (k,)) for k, child in items if self._selected(child, path + (k,))}
 
-    def _selected(self, node: dict, path: tuple) -> bool:
+    def _in_replaced(self, path: tuple) -> bool:
+        return any(path[:len(p)] == p for p in self.replaced)
+
+    def _fits(self, target: Any, node: dict) -> bool:
+        """`target` can take the saved `node` in place (a tensor of its shape and dtype, a container of its kind)."""
+        if "tensor" in node:
+            entry = self.manifest.tensors[node["tensor"]]
+            return isinstance(target, torch.Tensor) and tuple(target.shape) == entry.shape and target.dtype == dtype_from_name(entry.dtype)
+        if "dict" in node or "list" in node or "tuple" in node:
+            return isinstance(target, (MutableMapping, list, tuple))
+        return "ndarray" in node or not _target_has_tensors(target)
+
+    def _selected(self, node: dict, path: tuple, *aliases: str) -> bool:
         key = join_key(path)
-        return self.select.reaches(key) if _children(node) else self.select.wants(key)
+        return self.select.reaches(key, *aliases) if _children(node) else self.select.wants(key, *aliases)
 
     def sequence(self, target: Any, node: dict, path: tuple) -> Any:
         items = node.get("list", node.get("tuple"))
         kind = tuple if "tuple" in node else list
         same = isinstance(target, (list, tuple)) and len(target) == len(items)
-        if isinstance(target, (list, tuple)) and not same and target and (_has_tensors(node) or _target_has_tensors(target)):
+        if isinstance(target, (list, tuple)) and not same and target and (_has_tensors(node) or _target_has_tensors(target)) \
+                and not self._in_replaced(path):
             self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
             return target
         return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
-
-
-class _NameMatch:
-    """Saved keys against a target dict's: equal, or equal once wrapper segments are gone (`_orig_mod.`)."""
-
-    def __init__(self, target: MutableMapping, saved: list) -> None:
-        self._target = target
-        self._saved = set(saved)
-        self._saved_plain = {plain_name(k) for k in saved}
-        self._target_plain: dict = {}
-        for k in target:
-            self._target_plain.setdefault(plain_name(k), k)
-
-    def target_key(self, saved_key: Any) -> Any:
-        if saved_key in self._target:
-            return saved_key
-        return self._target_plain.get(plain_name(saved_key), saved_key)
-
-    def saved(self, target_key: Any) -> bool:
-        return target_key in self._saved or plain_name(target_key) in self._saved_plain
 
 
 def _assign(container: Any, key: Any, value: Any) -> None:
@@ -350,7 +352,7 @@ def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, 
     if planner.new_layout and not planner.relaid:  # this rank's keys changed: its own values may not be its own now
         planner = _Planner(manifest, codecs, select, world_size, relaid=True)
         values = planner.mapping(state, union, (), top=True)
-    for pattern in unmatched(select, tree_keys(union)):
+    for pattern in unmatched(select, tree_keys(union), planner.target_keys):
         planner.problems.append(
             f"{pattern!r} (in only=/exclude=/keys=) matches no key of step {manifest.step}; its top-level keys are "
             f"{', '.join(repr(k) for k, _ in union['dict'][:12])}"

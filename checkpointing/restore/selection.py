@@ -7,26 +7,47 @@ what its patterns match. Keys outside the selection are neither read nor checked
 keeps its values there. `strict` still applies inside the selection: a selected key on one side
 only is a problem, never skipped in silence.
 
-Names: `torch.compile` (`_orig_mod.`) and activation checkpointing (`_checkpoint_wrapped_module.`)
-insert a wrapper's name into every parameter name; a saved name and a target name that differ
-only by those wrappers are the same parameter, as torch.distributed.checkpoint's
-get_model_state_dict treats them.
+Names: `torch.compile` (`_orig_mod.`), activation checkpointing (`_checkpoint_wrapped_module.`)
+and FSDP1 insert a wrapper's name into every parameter name, DistributedDataParallel a leading
+`module.`; a saved name and a target name that differ only by those wrappers are the same
+parameter, as torch.distributed.checkpoint's get_model_state_dict treats them. Patterns see
+both: `model/0.*` selects `model/_orig_mod.0.weight`, and `model/module.0.*` selects `model/0.weight`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import re
-from typing import Iterable
+from typing import Any, Iterable, MutableMapping
 
 _WRAPPERS = re.compile(r"(?:^|(?<=\.))(?:_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
+_DDP = "module."  # DistributedDataParallel's attribute: a leading segment only (a submodule may be called so)
 _WILD = re.compile(r"[*?\[]")
 
 
 def plain_name(key: object) -> object:
-    """A parameter name without wrapper segments (`_orig_mod.layer.weight` -> `layer.weight`)."""
-    return _WRAPPERS.sub("", key) if isinstance(key, str) else key
+    """A parameter name without wrapper segments (`_orig_mod.layer.weight`, `module.layer.weight` -> `layer.weight`)."""
+    if not isinstance(key, str):
+        return key
+    plain = _WRAPPERS.sub("", key)
+    return plain[len(_DDP):] if plain.startswith(_DDP) else plain
+
+
+def plain_key(key: str) -> str:
+    """A "/"-joined key with every segment's wrappers removed (`model/_orig_mod.0.weight` -> `model/0.weight`)."""
+    return "/".join(str(plain_name(part)) for part in key.split("/"))
+
+
+def _forms(key: str, aliases: tuple[str, ...] = ()) -> list[str]:
+    """`key`, its aliases and the keys above them, as named and without wrappers."""
+    names = dict.fromkeys(name for k in (key, *aliases) for name in (k, plain_key(k)))
+    return [above for name in names for above in _self_and_above(name)]
+
+
+def _any_match(keys: list[str], patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(k, p) for k in keys for p in patterns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +62,21 @@ class Selection:
            take_all: bool = False) -> "Selection":
         return cls(bool(strict), _patterns(only, "only"), _patterns(exclude, "exclude"), take_all)
 
-    def wants(self, key: str) -> bool:
-        """The value at `key` is restored (it, or a key above it, is selected and not excluded)."""
-        keys = _self_and_above(key)
-        if self.exclude and any(fnmatch.fnmatchcase(k, p) for k in keys for p in self.exclude):
+    def wants(self, key: str, *aliases: str) -> bool:
+        """The value at `key` is restored (it, or a key above it, is selected and not excluded); `aliases`:
+        the same value's other names (its saved name where the target's differs by wrappers)."""
+        keys = _forms(key, aliases)
+        if self.exclude and _any_match(keys, _with_plain(self.exclude)):
             return False
-        return not self.only or any(fnmatch.fnmatchcase(k, p) for k in keys for p in self.only)
+        return not self.only or _any_match(keys, _with_plain(self.only))
 
-    def reaches(self, key: str) -> bool:
+    def reaches(self, key: str, *aliases: str) -> bool:
         """Something at or below `key` may be restored (so the walk goes on into it)."""
-        if self.wants(key):
+        if self.wants(key, *aliases):
             return True
-        keys = _self_and_above(key)
-        if self.exclude and any(fnmatch.fnmatchcase(k, p) for k in keys for p in self.exclude):
+        if self.exclude and _any_match(_forms(key, aliases), _with_plain(self.exclude)):
             return False
-        return any(_could_be_below(key, p) for p in self.only)
+        return any(_could_be_below(k, p) for k in {key, *aliases, plain_key(key)} for p in _with_plain(self.only))
 
 
 def _patterns(value: str | Iterable[str] | None, name: str) -> tuple[str, ...]:
@@ -71,6 +92,13 @@ def _patterns(value: str | Iterable[str] | None, name: str) -> tuple[str, ...]:
     return patterns
 
 
+@functools.lru_cache(maxsize=256)
+def _with_plain(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """The patterns, each followed by its form without inserted wrapper segments (`_orig_mod.`...) where that differs
+    (not without a leading `module.`: in a pattern that may name a submodule, AveragedModel's among them)."""
+    return tuple(dict.fromkeys(q for p in patterns for q in (p, "/".join(_WRAPPERS.sub("", part) for part in p.split("/")))))
+
+
 def _self_and_above(key: str) -> list[str]:
     parts = key.split("/")
     return ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
@@ -84,13 +112,14 @@ def _could_be_below(key: str, pattern: str) -> bool:
     return literal.startswith(below) or below.startswith(literal) if wild else literal.startswith(below)
 
 
-def unmatched(select: Selection, keys: Iterable[str]) -> list[str]:
-    """The patterns of `select` that match none of `keys` (a typo would otherwise select nothing, silently)."""
-    names = set()
-    for key in keys:
-        names.add(key)
-        names.add("/".join(str(plain_name(part)) for part in key.split("/")))
-    return [p for p in select.only + select.exclude if not any(fnmatch.fnmatchcase(k, p) for k in names)]
+def unmatched(select: Selection, keys: Iterable[str], target_keys: Iterable[str] = ()) -> list[str]:
+    """The patterns of `select` that match none of `keys` (a typo would otherwise select nothing, silently);
+    an exclude pattern may match `target_keys` instead (a key the target has and the step lacks, left out).
+    A pattern counts as matched when it or its form without wrapper segments does."""
+    saved = {form for key in keys for form in (key, plain_key(key))}
+    either = saved | {form for key in target_keys for form in (key, plain_key(key))}
+    return [p for patterns, names in ((select.only, saved), (select.exclude, either)) for p in patterns
+            if not any(fnmatch.fnmatchcase(k, q) for k in names for q in _with_plain((p,)))]
 
 
 def tree_keys(node: object, prefix: str = "") -> Iterable[str]:
@@ -111,3 +140,23 @@ def tree_keys(node: object, prefix: str = "") -> Iterable[str]:
         key = f"{prefix}/{name}" if prefix else name
         yield key
         yield from tree_keys(child, key)
+
+
+class NameMatch:
+    """Saved keys against a target dict's (the planner's): equal, or equal once wrapper segments are gone (`_orig_mod.`, `module.`)."""
+
+    def __init__(self, target: MutableMapping, saved: list) -> None:
+        self._target = target
+        self._saved = set(saved)
+        self._saved_plain = {plain_name(k) for k in saved}
+        self._target_plain: dict = {}
+        for k in target:
+            self._target_plain.setdefault(plain_name(k), k)
+
+    def target_key(self, saved_key: Any) -> Any:
+        if saved_key in self._target:
+            return saved_key
+        return self._target_plain.get(plain_name(saved_key), saved_key)
+
+    def saved(self, target_key: Any) -> bool:
+        return target_key in self._saved or plain_name(target_key) in self._saved_plain
