@@ -227,3 +227,49 @@ def test_hf_format_on_a_single_file_says_it_takes_a_directory(tmp_path):
     save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
     with pytest.raises(CheckpointConfigError, match="is a file: a Hugging Face checkpoint is the directory"):
         import_checkpoint(tmp_path / "w.safetensors", tmp_path / "ck", 0, kind="hf")
+
+
+def test_dcp_checkpoint_of_a_plain_optimizer_state_dict_resumes_exactly(tmp_path):
+    """DCP keys an optimizer's per-parameter state by the string of its id ("0"): it comes back keyed by the int,
+    as Optimizer.load_state_dict() needs (it ignores other keys: the moments would be lost without a word)."""
+    import torch.distributed.checkpoint as dcp
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, opt = build()
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    import_checkpoint(tmp_path / "dcp", tmp_path / "ours", step=3)
+    assert list(checkpointing.load(tmp_path / "ours", 3)["optim"]["state"]) == [0, 1]
+    model2, opt2 = build()
+    with CheckpointManager(tmp_path / "ours") as mgr:
+        assert mgr.restore({"model": model2, "optim": opt2}) == 3
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(torch.ones(1, 4)).sum().backward()
+        o.step()
+    assert torch.equal(model.weight, model2.weight) and torch.equal(model.bias, model2.bias)
+
+
+def test_a_dcp_directory_or_a_torch_save_file_opened_as_ours_says_to_import_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"))
+    before = sorted(p.name for p in (tmp_path / "dcp").iterdir())
+    for opener in (lambda: CheckpointManager(tmp_path / "dcp"), lambda: CheckpointManager(tmp_path / "dcp", read_only=True)):
+        with pytest.raises(CheckpointConfigError, match=r"DCP\) checkpoint \(\.metadata\).*checkpointing import"):
+            opener()
+    with pytest.raises(checkpointing.CheckpointNotFoundError, match=r"\.metadata.*checkpointing import"):
+        checkpointing.load(tmp_path / "dcp")
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == before  # nothing written beside it
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    with pytest.raises(checkpointing.CheckpointNotFoundError, match="is a file.*checkpointing import"):
+        checkpointing.load(tmp_path / "model.pt")
+    with pytest.raises(CheckpointConfigError, match="is a file.*checkpointing import"):
+        CheckpointManager(tmp_path / "model.pt")

@@ -112,7 +112,22 @@ def _read_dcp(src: Path, select: Selection) -> Loaded:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, no_dist=True)
+    _optimizer_ids(state)
     return Loaded("dcp", state, keys=keys)
+
+
+def _optimizer_ids(node: Any) -> None:
+    """An optimizer's state_dict() keys its "state" by the int ids its "param_groups" list; DCP's flattening
+    made them strings ("0"): made ints again, so Optimizer.load_state_dict finds them (it ignores str keys)."""
+    if not isinstance(node, dict):
+        return
+    groups, state = node.get("param_groups"), node.get("state")
+    if isinstance(groups, list) and isinstance(state, dict) and all(isinstance(g, dict) for g in groups):
+        ids = {i for g in groups for i in (g.get("params") or []) if isinstance(i, int) and not isinstance(i, bool)}
+        if ids and all(isinstance(k, str) and k.isdecimal() and int(k) in ids for k in state):
+            node["state"] = {int(k): v for k, v in state.items()}
+    for child in node.values():
+        _optimizer_ids(child)
 
 
 def _read_torch(src: Path, select: Selection) -> Loaded:

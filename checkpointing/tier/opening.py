@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-from checkpointing.errors import CheckpointConfigError
+from checkpointing.errors import CheckpointConfigError, CheckpointError
+from checkpointing.format import naming
 from checkpointing.options import ManagerOptions
 from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
 
@@ -57,7 +58,9 @@ def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bo
         raise CheckpointConfigError(f"local_dir={os.fspath(local_dir)!r} is a URL: the local tier is a directory on this machine "
                                     "(node-local NVMe); pass object storage as remote=..., e.g. CheckpointManager('/nvme/ckpt', remote='s3://bucket/run')")
     if os.path.exists(local_dir) and not os.path.isdir(local_dir):
-        raise CheckpointConfigError(f"{local_dir!s} is a file, not a directory: pass the checkpoint directory (or a new path)")
+        raise CheckpointConfigError(f"{local_dir!s} is a file, not a directory: pass the checkpoint directory (or a new path); "
+                                    f"a torch.save file comes in as a step with `checkpointing import {local_dir!s} NEW_DIR`")
+    refuse_foreign(local_dir)
     if not read_only:
         try:
             return LocalStorage(local_dir, direct=direct, fsync=fsync)
@@ -70,6 +73,19 @@ def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bo
             "check the path, or pass remote=URL to read a remote tier"
         )
     return storage
+
+
+def refuse_foreign(directory: str | os.PathLike, error: type[CheckpointError] = CheckpointConfigError) -> None:
+    """`error` when `directory` holds another library's checkpoint (torch.distributed.checkpoint's `.metadata`)
+    and no step of ours: a manager there would start afresh beside it, a load would find nothing."""
+    try:
+        ours = any(name.startswith(naming.STEP_PREFIX) for name in os.listdir(directory))
+    except OSError:
+        return
+    if not ours and os.path.isfile(os.path.join(directory, ".metadata")):
+        raise error(f"{os.fspath(directory)} holds a torch.distributed.checkpoint (DCP) checkpoint (.metadata), not "
+                                    f"one of checkpointing's: bring it in as a step with `checkpointing import {os.fspath(directory)} "
+                                    "NEW_DIR` (checkpointing.interop.import_checkpoint) and use NEW_DIR; for a new run pass another directory")
 
 
 def open_remote_tier(options: ManagerOptions, local_dir: str | os.PathLike) -> FsspecStorage | None:
