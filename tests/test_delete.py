@@ -292,6 +292,7 @@ def _delete_on_two_nodes(rank: int, world: int, base: str) -> dict:
                 mgr.delete(*bad)
             except CheckpointError as exc:
                 out[bad[0]] = str(exc)
+                out[f"{bad[0]} type"] = type(exc).__name__  # not found on every rank: CheckpointNotFoundError, as with one
         if rank == 1:  # only rank 1's tier lost step 1: the delete stops on every rank, naming it
             (Path(base) / f"rank{rank}" / naming.commit_name(1)).unlink()
         try:
@@ -315,6 +316,7 @@ def test_delete_with_two_ranks_is_collective(tmp_path):
         assert out["after"] == [1, 2, 4] and out["missing_ok"] == [2, 4] and out["end"] == [2, 3], out
         assert "ranks 0-1" in out[4] and "newest committed step" in out[4], out
         assert "step 9 is not committed" in out[9], out
+        assert (out["9 type"], out["4 type"]) == ("CheckpointNotFoundError", "CheckpointError"), out
         assert out[1].startswith("rank 1: step 1 is not committed in") and "rank1" in out[1], out
     for rank in (0, 1):
         assert not (tmp_path / f"rank{rank}" / naming.step_dir(4)).exists()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 
 from checkpointing.dist.types import Coordinator
-from checkpointing.errors import CheckpointError, CheckpointNotFoundError
+from checkpointing.errors import CheckpointError, CheckpointNotFoundError, group_by_cause
 from checkpointing.format import naming
 from checkpointing.save.inflight import InFlight
 from checkpointing.save.uploader import Uploader
@@ -142,7 +142,14 @@ class StepDeleter:
             if error is not None:
                 raise error
             return
-        self._coord.barrier(name, error=None if error is None else str(error))
+        tagged = None if error is None else (_NOT_FOUND if isinstance(error, CheckpointNotFoundError) else "") + str(error)
+        failed = self._coord.errors_at(name, tagged)
+        if failed:  # CheckpointNotFoundError when that is every rank's reason, as with one rank
+            kind = CheckpointNotFoundError if all(t.startswith(_NOT_FOUND) for t in failed.values()) else CheckpointError
+            raise kind(group_by_cause({r: t.removeprefix(_NOT_FOUND) for r, t in failed.items()}))
+
+
+_NOT_FOUND = "<not found> "  # a rank's error at a delete barrier: the step is committed on none of its tiers
 
 
 def _few(steps: set[int]) -> str:
