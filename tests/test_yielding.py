@@ -255,6 +255,29 @@ def test_a_training_loop_save_yields_until_waited_for_and_restores_bit_exact(tmp
         assert torch.equal(got["model"][k], v), k
 
 
+@needs_yield
+def test_a_done_callback_or_a_futures_watcher_does_not_hurry_a_yielding_save(tmp_path):
+    """Frameworks (the Lightning and HF plugins) add a done callback to every save: that is not a wait."""
+    import concurrent.futures
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = set(threading.enumerate())
+    mgr = CheckpointManager(tmp_path / "ck", write_block_bytes=1 << 20, background_yield_s=600)
+    try:
+        _train(model, opt, torch.randn(16, 512))
+        handle = mgr.save(1, {"model": model, "optim": opt})
+        called = threading.Event()
+        handle.add_done_callback(lambda h: called.set())
+        _until(handle.done, "step 1 committed")
+        assert _policy("ckpt-io", before) == IDLE  # neither the callback nor the Future's own watcher hurried it
+        assert concurrent.futures.wait([handle], timeout=120).done == {handle}
+        assert called.wait(120) and handle.result().yielded_s > 0.0
+    finally:
+        mgr.close()
+
+
 def test_background_yield_s_none_never_lowers(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(256, 256)

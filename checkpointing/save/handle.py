@@ -3,14 +3,19 @@
 The handle holds its job (save/job.py) and the one thing it needs from around it: `stall`, where
 the time wait_staged() blocks the training thread is accounted (SaveAccounting.stall).
 
-It is also a future as the ecosystem expects (`concurrent.futures.Future`, what DCP's async_save
-returns): `result(timeout)`, `exception(timeout)`, `done()`, `add_done_callback(fn)`, and `cancel()`
-(a save cannot be cancelled: False). `result()`/`exception()` give the save's error every time they
-are called; it then counts as reported, so the next save() or wait() does not raise it again.
+It is also a future as the ecosystem expects: a `concurrent.futures.Future` (what DCP's async_save
+returns) with `result(timeout)`, `exception(timeout)`, `done()`, `add_done_callback(fn)`, and
+`cancel()` (a save cannot be cancelled: False), that `concurrent.futures.wait`/`as_completed` and
+`asyncio.wrap_future` accept. `result()`/`exception()` give the save's error every time they are
+called; it then counts as reported, so the next save() or wait() does not raise it again. The
+Future's own state (what those functions watch) is set by the thread that finishes the save
+(hooks on its events, job.Signal; a thread of its own only to wait for peer copies); callbacks
+added before then run on a thread of their own, never on the checkpoint's threads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -34,15 +39,23 @@ class Copies(Protocol):
     def raise_error(self) -> None: ...
 
 
-class SaveHandle:
+class SaveHandle(concurrent.futures.Future):
     """A save in flight. `wait()` returns its SaveStats once committed, or raises its error.
     `peer`: its peer copies (None without peer_copies), which wait() waits for too."""
 
     def __init__(self, job: SaveJob, *, stall: Stall, peer: Copies | None = None) -> None:
+        super().__init__()
         self._job = job
         self._stall = stall
         self.step = job.step
         self.peer = peer
+        super().set_running_or_notify_cancel()
+        self._settle_lock = threading.Lock()
+        self._settled = False
+        self._callbacks: list[Callable[["SaveHandle"], object]] = []
+        job.outcome.done.when_set(self._settle)
+        if job.upload is not None:
+            job.upload.done.when_set(self._settle)
 
     def done(self) -> bool:
         """Durable on every configured tier (or failed)."""
@@ -84,11 +97,14 @@ class SaveHandle:
 
     def add_done_callback(self, fn: Callable[["SaveHandle"], object]) -> None:
         """Call `fn(handle)` once the save is durable on every tier or failed: at once (on this thread)
-        if it is already, else on a background thread. An exception from `fn` is logged, not raised."""
-        if self.done():
-            self._call(fn)
-            return
-        threading.Thread(target=self._call_when_done, args=(fn,), name=f"ckpt-callback-{self.step}", daemon=True).start()
+        if it is already, else on a thread of its own. An exception from `fn` is logged, not raised.
+        Registering a callback does not hurry a save whose threads yield (a wait does)."""
+        if not self.done():
+            with self._settle_lock:
+                if not self._settled:
+                    self._callbacks.append(fn)
+                    return
+        self._call(fn)
 
     def cancel(self) -> bool:
         """A save cannot be cancelled once issued: always False (as a running Future)."""
@@ -134,12 +150,36 @@ class SaveHandle:
             return self.peer.error
         return None
 
-    def _call_when_done(self, fn: Callable[["SaveHandle"], object]) -> None:
-        try:
-            self._wait_done(None)
-        except Exception:  # noqa: BLE001 - cannot happen without a timeout; the callback runs regardless
-            pass
-        self._call(fn)
+    def _settle(self) -> None:
+        """A hook of the save's events: once the save is durable everywhere or failed, set the Future's state."""
+        outcome, upload = self._job.outcome, self._job.upload
+        if not outcome.done.is_set() or (not outcome.error and upload is not None and not upload.done.is_set()):
+            return
+        if not outcome.error and self.peer is not None and not self.peer.done.is_set():
+            if not getattr(self, "_peer_watch", None):  # peer copies' event has no hooks: a thread waits for it
+                self._peer_watch = threading.Thread(target=lambda: (self.peer.done.wait(), self._settle()),  # type: ignore[union-attr]
+                                                    name=f"ckpt-handle-{self.step}", daemon=True)
+                self._peer_watch.start()
+            return
+        with self._settle_lock:
+            if self._settled:
+                return
+            self._settled = True
+            callbacks, self._callbacks = self._callbacks, []
+        error = outcome.error or (upload.error if upload is not None else None) or (self.peer.error if self.peer else None)
+        if error is not None:  # not marked reported: the user has not seen it through this state
+            super().set_exception(error)
+        else:
+            super().set_result(outcome.stats)
+        if callbacks:  # user code: never on the thread that finished the save
+            threading.Thread(target=lambda: [self._call(fn) for fn in callbacks], name=f"ckpt-callback-{self.step}",
+                             daemon=True).start()
+
+    def set_result(self, result: object) -> None:
+        raise RuntimeError("a SaveHandle finishes with its save; set_result() is not for callers")
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise RuntimeError("a SaveHandle finishes with its save; set_exception() is not for callers")
 
     def _call(self, fn: Callable[["SaveHandle"], object]) -> None:
         try:

@@ -122,6 +122,31 @@ class Reverified:
     damaged: int = 0
 
 
+class Signal(threading.Event):
+    """An Event that also calls hooks once set (`when_set`): what a SaveHandle's Future state follows, with no
+    thread of its own. A hook runs on the thread that sets the event, after it is set: it must be short and never raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._hooks: list[Callable[[], None]] = []
+        self._hooks_lock = threading.Lock()
+
+    def when_set(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` once set: now, if it is."""
+        with self._hooks_lock:
+            if not self.is_set():
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def set(self) -> None:
+        with self._hooks_lock:
+            super().set()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+
 class SaveOutcome:
     """What became of the save. The ckpt-io thread writes it: `pin` (the writer, while writing),
     `written`, `committed`, `t_committed` and `yielded_s` (the worker, from what
@@ -131,7 +156,7 @@ class SaveOutcome:
     logs the error sets `error_reported`. Waiters call `wait()`, not `done.wait()`."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()  # committed locally or failed; the next save may start
+        self.done = Signal()  # committed locally or failed; the next save may start
         self.pin: str | None = None  # this rank's pin while the save is in flight (tier/pins.py)
         self.written: WriteResult | None = None
         self.reverified = Reverified()  # the worker's, before the write: re-verification since the previous save
@@ -171,7 +196,7 @@ class UploadJob:
     error: BaseException | None = None
     error_reported: bool = False
     tries: int = 1  # this upload of the step is its tries-th (save/uploader.py: failed uploads are tried again)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: Signal = dataclasses.field(default_factory=Signal)
     hurry: Callable[[], None] | None = None  # the uploader's (at submit): its threads back at normal priority
     waited: bool = False  # something waited for it: its threads are not lowered again (CpuYield.waited)
 
