@@ -144,6 +144,7 @@ def _ddp_saved_restores_into_a_plain_model(rank, world, root):
         mgr.save(1, {"model": other}).wait()
         wrapped = DDP(Net(3))
         assert mgr.restore({"model": wrapped}, only="model/layers.1.*") == 1
+        assert mgr.restore({"model": wrapped}, only="model/module.layers.1.*") == 1  # the target's naming selects as well
     return torch.equal(wrapped.module.layers[1].weight, other.layers[1].weight), torch.equal(wrapped.module.layers[0].weight, other.layers[0].weight)
 
 
@@ -232,3 +233,40 @@ def test_part_of_a_parameters_state_into_a_fresh_optimizer_is_refused_before_any
     _adam_stepped(fresh, new_opt)  # an optimizer that has state to complete it takes the part
     assert mgr.restore({"model": fresh, "optim": new_opt}, exclude="optim/state/*/step") == 1
     assert torch.equal(new_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+class WithModule(nn.Module):
+    """A real submodule called `module` beside a parameter of the same shape: not DDP's wrapper."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.module = nn.Linear(4, 4)
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+
+def test_a_submodule_called_module_is_not_taken_for_ddps_wrapper(mgr):
+    saved = WithModule(0)
+    mgr.save(1, {"model": saved}).wait()
+    fresh = WithModule(1)
+    old_inner = fresh.module.weight.detach().clone()
+    assert mgr.restore({"model": fresh}, exclude="model/weight") == 1
+    assert torch.equal(fresh.module.weight, saved.module.weight) and not torch.equal(fresh.weight, saved.weight)
+    fresh = WithModule(1)
+    assert mgr.restore({"model": fresh}, only="model/weight") == 1
+    assert torch.equal(fresh.weight, saved.weight) and torch.equal(fresh.module.weight, old_inner)
+
+
+def test_rewinding_into_an_optimizer_with_other_state_keys_takes_the_saved_ones(mgr):
+    """amsgrad on at the save, off now: load_state_dict() takes the saved state and its hyperparameters."""
+    model = Net(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+    _adam_stepped(model, opt)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    saved = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    target = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=False)
+    _adam_stepped(model, target)
+    assert mgr.restore({"optim": target}, only="optim") == 1
+    got = target.state_dict()["state"][0]
+    assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert target.param_groups[0]["amsgrad"] is True

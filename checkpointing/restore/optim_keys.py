@@ -17,7 +17,11 @@ does: entries the step lacks are dropped, lists of another length (LBFGS's histo
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from checkpointing.format.dtypes import dtype_from_name
 
 
 def key_map(target: Any, node: dict) -> dict[Any, Any] | None:
@@ -84,3 +88,14 @@ def partial_state(state: Any, node: dict, renamed: Mapping[Any, Any]) -> list[tu
                                         f"{sorted(want - set(entry))}, and the target optimizer holds no state to complete it (it has "
                                         "not stepped): select its whole 'state/*' entries, or restore into an optimizer that has stepped"))
     return out
+
+
+def fits_in_place(target: Any, node: dict, tensors: Sequence[Any]) -> bool:
+    """`target` (a value in an optimizer's state) can take the saved `node` in place: a tensor of its shape and dtype
+    (`tensors`: the manifest's table), a container for a container, a plain value for a plain value."""
+    if "tensor" in node:
+        entry = tensors[node["tensor"]]
+        return isinstance(target, torch.Tensor) and tuple(target.shape) == entry.shape and target.dtype == dtype_from_name(entry.dtype)
+    if "dict" in node or "list" in node or "tuple" in node:
+        return isinstance(target, (Mapping, list, tuple))
+    return "ndarray" not in node and not isinstance(target, (torch.Tensor, Mapping, list, tuple))

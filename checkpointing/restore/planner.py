@@ -24,7 +24,7 @@ from checkpointing.state.codecs import Codec
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
-from checkpointing.restore.optim_keys import key_map, optimizer_problems, partial_state
+from checkpointing.restore.optim_keys import fits_in_place, key_map, optimizer_problems, partial_state
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import NameMatch, Selection, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
@@ -84,6 +84,7 @@ class _Planner:
         self.param_hints: dict[tuple, torch.Tensor] = {}  # optimizer state path -> its parameter
         self.rekeyed: dict[tuple, dict] = {}  # optimizer state dict path -> saved state key -> target's (optim_keys.py)
         self.target_keys: set[str] = set()  # the target's keys the walk met (exclude= may name one the step lacks)
+        self.renamed_keys: set[str] = set()  # the target's names of saved keys it names otherwise (wrappers)
         self.replaced: set[tuple] = set()  # optimizers' state paths: replaced whole, as their load_state_dict() does
 
     def problem(self, path: tuple, text: str) -> None:
@@ -94,7 +95,7 @@ class _Planner:
         if OPTIONAL in node:
             self.new_layout |= bool(node.get(BORROWED))
             return self.value(target, node[OPTIONAL], path)
-        if target is not _MISSING and self._in_replaced(path) and not self._fits(target, node):
+        if target is not _MISSING and self._in_replaced(path) and not fits_in_place(target, node, self.manifest.tensors):
             target = _MISSING  # an optimizer's state is replaced whole: a value of another kind or size is not read in place
         if (self.relaid or path[:-3] in self.rekeyed) and _lists_group_params(path) and isinstance(target, list):
             return target  # which parameters a group holds is the new layout's (its own), not saved state
@@ -239,7 +240,7 @@ class _Planner:
         if is_stateful(target) and not isinstance(target, MutableMapping):  # a saved state_dict into its object
             return self.stateful(target, {"stateful": node, "class": "dict"}, path)
         if isinstance(target, MutableMapping):
-            wildcard = len(target) == 0 and (not top or self.select.take_all)
+            wildcard = (len(target) == 0 and (not top or self.select.take_all)) or self._in_replaced(path)  # replaced: any keys
             keyed = key_map(target, node)  # an optimizer's state keyed by position on one side, by name on the other
             if keyed is not None:
                 self.rekeyed[path] = keyed
@@ -247,7 +248,7 @@ class _Planner:
             items = [(renamed.get(k, k), child) for k, child in items]
             names = NameMatch(target, [k for k, _ in items])
             self.target_keys.update(join_key(path + (k,)) for k in target)
-            if not wildcard and not self._in_replaced(path):
+            if not wildcard:
                 for k, v in target.items():
                     if not names.saved(k) and (top or _target_has_tensors(v)) and self.strict and self.select.wants(join_key(path + (k,))):
                         self.problem(path + (k,), "missing from the checkpoint")
@@ -256,6 +257,8 @@ class _Planner:
                 k = names.target_key(saved_key)
                 if k not in target and child.get(BORROWED):  # another rank's key, and this target does not want it
                     continue
+                if saved_key != k:
+                    self.renamed_keys.add(join_key(path + (k,)))
                 if not self._selected(child, path + (k,), *([join_key(path + (saved_key,))] if saved_key != k else [])):
                     if k in target:
                         out[k] = target[k]  # outside the selection: the target keeps its value
@@ -279,15 +282,6 @@ class _Planner:
     def _in_replaced(self, path: tuple) -> bool:
         return any(path[:len(p)] == p for p in self.replaced)
 
-    def _fits(self, target: Any, node: dict) -> bool:
-        """`target` can take the saved `node` in place (a tensor of its shape and dtype, a container of its kind)."""
-        if "tensor" in node:
-            entry = self.manifest.tensors[node["tensor"]]
-            return isinstance(target, torch.Tensor) and tuple(target.shape) == entry.shape and target.dtype == dtype_from_name(entry.dtype)
-        if "dict" in node or "list" in node or "tuple" in node:
-            return isinstance(target, (MutableMapping, list, tuple))
-        return "ndarray" in node or not _target_has_tensors(target)
-
     def _selected(self, node: dict, path: tuple, *aliases: str) -> bool:
         key = join_key(path)
         return self.select.reaches(key, *aliases) if _children(node) else self.select.wants(key, *aliases)
@@ -296,8 +290,8 @@ class _Planner:
         items = node.get("list", node.get("tuple"))
         kind = tuple if "tuple" in node else list
         same = isinstance(target, (list, tuple)) and len(target) == len(items)
-        if isinstance(target, (list, tuple)) and not same and target and (_has_tensors(node) or _target_has_tensors(target)) \
-                and not self._in_replaced(path):
+        kept = not same and target and (_has_tensors(node) or _target_has_tensors(target)) and not self._in_replaced(path)
+        if isinstance(target, (list, tuple)) and kept:
             self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
             return target
         return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
@@ -352,7 +346,7 @@ def plan_restore(state: Any, manifest: Manifest, *, rank: int, world_size: int, 
     if planner.new_layout and not planner.relaid:  # this rank's keys changed: its own values may not be its own now
         planner = _Planner(manifest, codecs, select, world_size, relaid=True)
         values = planner.mapping(state, union, (), top=True)
-    for pattern in unmatched(select, tree_keys(union), planner.target_keys):
+    for pattern in unmatched(select, [*tree_keys(union), *planner.renamed_keys], planner.target_keys):
         planner.problems.append(
             f"{pattern!r} (in only=/exclude=/keys=) matches no key of step {manifest.step}; its top-level keys are "
             f"{', '.join(repr(k) for k, _ in union['dict'][:12])}"

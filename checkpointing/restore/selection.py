@@ -9,9 +9,11 @@ only is a problem, never skipped in silence.
 
 Names: `torch.compile` (`_orig_mod.`), activation checkpointing (`_checkpoint_wrapped_module.`)
 and FSDP1 insert a wrapper's name into every parameter name, DistributedDataParallel a leading
-`module.`; a saved name and a target name that differ only by those wrappers are the same
-parameter, as torch.distributed.checkpoint's get_model_state_dict treats them. Patterns see
-both: `model/0.*` selects `model/_orig_mod.0.weight`, and `model/module.0.*` selects `model/0.weight`.
+`module.` (taken as a wrapper where every key of one side has it and none of the other's does: a
+submodule may be called `module`); a saved name and a target name that differ only by those
+wrappers are the same parameter, as torch.distributed.checkpoint's get_model_state_dict treats
+them. Patterns see both namings: `model/0.*` selects `model/_orig_mod.0.weight`, and
+`model/module.0.*` a plain save's `model/0.weight` restored into a DDP module.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ _WILD = re.compile(r"[*?\[]")
 
 
 def plain_name(key: object) -> object:
-    """A parameter name without wrapper segments (`_orig_mod.layer.weight`, `module.layer.weight` -> `layer.weight`)."""
-    if not isinstance(key, str):
-        return key
-    plain = _WRAPPERS.sub("", key)
-    return plain[len(_DDP):] if plain.startswith(_DDP) else plain
+    """A parameter name without inserted wrapper segments (`_orig_mod.layer.weight` -> `layer.weight`)."""
+    return _WRAPPERS.sub("", key) if isinstance(key, str) else key
+
+
+def _ddp_stripped(keys: Iterable[object]) -> bool:
+    """Every key of a module's state dict starts with DDP's `module.` (as DCP tells a DDP-wrapped module's;
+    one submodule called `module` beside other entries is not a wrapper)."""
+    names = [plain_name(k) for k in keys]
+    return bool(names) and all(isinstance(k, str) and k.startswith(_DDP) for k in names)
 
 
 def plain_key(key: str) -> str:
@@ -143,20 +149,26 @@ def tree_keys(node: object, prefix: str = "") -> Iterable[str]:
 
 
 class NameMatch:
-    """Saved keys against a target dict's (the planner's): equal, or equal once wrapper segments are gone (`_orig_mod.`, `module.`)."""
+    """Saved keys against a target dict's (the planner's): equal, or equal once wrapper segments are gone
+    (`_orig_mod.` anywhere; DDP's `module.` where every key of that side starts with it)."""
 
     def __init__(self, target: MutableMapping, saved: list) -> None:
         self._target = target
         self._saved = set(saved)
-        self._saved_plain = {plain_name(k) for k in saved}
+        self._ddp = (_ddp_stripped(saved), _ddp_stripped(target))  # (saved side, target side)
+        self._saved_plain = {self._plain(k, 0) for k in saved}
         self._target_plain: dict = {}
         for k in target:
-            self._target_plain.setdefault(plain_name(k), k)
+            self._target_plain.setdefault(self._plain(k, 1), k)
+
+    def _plain(self, key: Any, side: int) -> Any:
+        plain = plain_name(key)
+        return plain[len(_DDP):] if self._ddp[side] and self._ddp[0] != self._ddp[1] else plain
 
     def target_key(self, saved_key: Any) -> Any:
         if saved_key in self._target:
             return saved_key
-        return self._target_plain.get(plain_name(saved_key), saved_key)
+        return self._target_plain.get(self._plain(saved_key, 0), saved_key)
 
     def saved(self, target_key: Any) -> bool:
-        return target_key in self._saved or plain_name(target_key) in self._saved_plain
+        return target_key in self._saved or self._plain(target_key, 1) in self._saved_plain
