@@ -263,11 +263,15 @@ def test_a_dcp_directory_or_a_torch_save_file_opened_as_ours_says_to_import_it(t
     dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"))
     before = sorted(p.name for p in (tmp_path / "dcp").iterdir())
     for opener in (lambda: CheckpointManager(tmp_path / "dcp"), lambda: CheckpointManager(tmp_path / "dcp", read_only=True)):
-        with pytest.raises(CheckpointConfigError, match=r"DCP\) checkpoint \(\.metadata\).*checkpointing import"):
+        with pytest.raises(CheckpointConfigError, match=r"DCP\) checkpoint \(.*dcp/\.metadata\).*checkpointing import"):
             opener()
     with pytest.raises(checkpointing.CheckpointNotFoundError, match=r"\.metadata.*checkpointing import"):
         checkpointing.load(tmp_path / "dcp")
     assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == before  # nothing written beside it
+    for step in (10, 20):  # torchtitan's layout: a DCP checkpoint per step-N folder
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "titan" / f"step-{step}"))
+    with pytest.raises(CheckpointConfigError, match=r"titan/step-20/\.metadata.*checkpointing import .*titan/step-20 NEW_DIR"):
+        CheckpointManager(tmp_path / "titan")
     torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
     with pytest.raises(checkpointing.CheckpointNotFoundError, match="is a file.*checkpointing import"):
         checkpointing.load(tmp_path / "model.pt")

@@ -21,6 +21,7 @@ from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format import naming
 from checkpointing.options import ManagerOptions
 from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
+from checkpointing.tier.tierfile import TIER_FILE
 
 
 class ReadOnlyLocalStorage(LocalStorage):
@@ -76,16 +77,20 @@ def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bo
 
 
 def refuse_foreign(directory: str | os.PathLike, error: type[CheckpointError] = CheckpointConfigError) -> None:
-    """`error` when `directory` holds another library's checkpoint (torch.distributed.checkpoint's `.metadata`)
-    and no step of ours: a manager there would start afresh beside it, a load would find nothing."""
+    """`error` when `directory` holds another library's checkpoint (torch.distributed.checkpoint's `.metadata`, at its
+    root or in a folder of it, as torchtitan's step-N) and nothing of ours: a manager would start afresh beside it."""
     try:
-        ours = any(name.startswith(naming.STEP_PREFIX) for name in os.listdir(directory))
+        names = os.listdir(directory)
     except OSError:
         return
-    if not ours and os.path.isfile(os.path.join(directory, ".metadata")):
-        raise error(f"{os.fspath(directory)} holds a torch.distributed.checkpoint (DCP) checkpoint (.metadata), not "
-                                    f"one of checkpointing's: bring it in as a step with `checkpointing import {os.fspath(directory)} "
-                                    "NEW_DIR` (checkpointing.interop.import_checkpoint) and use NEW_DIR; for a new run pass another directory")
+    if any(name == TIER_FILE or naming.parse_step_dir(name) is not None for name in names):
+        return
+    found = [os.path.join(os.fspath(directory), *where) for where in [()] + [(n,) for n in sorted(names)[-256:]]
+             if os.path.isfile(os.path.join(directory, *where, ".metadata"))]
+    if found:
+        raise error(f"{os.fspath(directory)} holds a torch.distributed.checkpoint (DCP) checkpoint ({found[-1]}/.metadata), not one "
+                    f"of checkpointing's: bring it in as a step with `checkpointing import {found[-1]} NEW_DIR` "
+                    "(checkpointing.interop.import_checkpoint) and use NEW_DIR; for a new run pass another directory")
 
 
 def open_remote_tier(options: ManagerOptions, local_dir: str | os.PathLike) -> FsspecStorage | None:
