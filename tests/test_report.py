@@ -366,3 +366,16 @@ def test_ranks_sharing_a_file_are_one_save_each_in_step_order_and_last_counts_sa
     doc = json.loads(out)
     assert [(r["step"], r["rank"]) for r in doc["saves"]] == [(30, 0), (30, 1), (10, 0), (10, 1)]
     assert (doc["summary"]["saves"], doc["summary"]["ok"]) == (2, 2)
+
+
+def test_a_save_one_rank_wrote_no_record_of_is_not_merged_with_a_later_runs_save_of_that_step():
+    def rec(step, rank, t, ok=True):
+        return {"step": step, "rank": rank, "world_size": 2, "ok": ok, "time": t, "stall_s": 0.001, "error": None if ok else "x"}
+    recs = [rec(4, 0, 100), rec(4, 1, 100), rec(5, 0, 101, ok=False),  # run 1: rank 1 failed inside save(): no record
+            rec(6, 0, 102), rec(6, 1, 102), rec(5, 1, 200), rec(5, 0, 200), rec(6, 0, 201), rec(6, 1, 201)]  # run 2
+    saves = summary.by_save(recs)
+    assert [[(r["step"], r["rank"], r["time"]) for r in save] for save in saves] == [
+        [(4, 0, 100), (4, 1, 100)], [(5, 0, 101)], [(6, 0, 102), (6, 1, 102)], [(5, 0, 200), (5, 1, 200)],
+        [(6, 0, 201), (6, 1, 201)]]
+    s = summary.summarize(recs)
+    assert (s.saves, s.ok, s.failed) == (5, 4, 1)

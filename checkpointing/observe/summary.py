@@ -35,6 +35,7 @@ __all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "by_save",
 Record = Mapping[str, Any]  # one metrics record: a JSON object, as SaveStats.as_dict() writes it
 
 JSON_SCHEMA = "checkpointing.report/1"
+SAME_SAVE_S = 60.0  # ranks call save() for one step this close in time; a later run's save of that step comes later
 # every save row of to_json() has exactly these keys (null when the record lacks the field)
 # (every field of SaveStats: the report is the records of mgr.stats(), field for field)
 SAVE_KEYS = ("step", "rank", "world_size", "ok", "committed", "error", "time", "tier", "wait_prev_s", "stall_s", "guard_wait_s",
@@ -92,20 +93,30 @@ def by_save(records: Sequence[Record]) -> list[list[Record]]:
     """The records grouped into saves, in the order the saves first appear, each save's records by rank.
 
     Ranks that share a directory append one record each per save, in the order they finish, so one
-    save's records may interleave with the next one's. The k-th record of each rank at one step (and
-    world size) belongs to the k-th save of that step: a step saved again by a later run is another
-    save. A record without a rank, or without a step, is a save of its own rank 0, or of its own."""
-    groups: dict[tuple, list[Record]] = {}
-    seen: dict[tuple, int] = {}
-    for i, r in enumerate(records):
+    save's records may interleave with the next one's. A record joins the save of its step (and world
+    size) that lacks its rank and began nearest in `time`, within SAME_SAVE_S (without times: the
+    oldest such save); else it begins a save: a step saved again by a later run is another save, and
+    so is a save some rank wrote no record of (it failed inside save(), or was killed). A record
+    without a rank is rank 0's; one without a step is a save of its own."""
+    groups: list[list[Record]] = []
+    open_saves: dict[tuple, list[int]] = {}
+    for r in records:
         step, rank, world = r.get("step"), r.get("rank"), r.get("world_size")
         if not isinstance(step, int) or isinstance(step, bool):
-            groups[("record", i)] = [r]
+            groups.append([r])
             continue
-        rank_key = (step, world if isinstance(world, int) else None, rank if isinstance(rank, int) else 0)
-        nth = seen[rank_key] = seen.get(rank_key, -1) + 1
-        groups.setdefault(rank_key[:2] + (nth,), []).append(r)
-    return [sorted(g, key=lambda r: number(r, "rank") or 0.0) for g in groups.values()]
+        rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
+        key, t = (step, world if isinstance(world, int) else None), number(r, "time")
+        lacking = [g for g in open_saves.get(key, []) if all((x.get("rank") or 0) != rank for x in groups[g])]
+        began = {g: number(groups[g][0], "time") for g in lacking}
+        if t is not None and all(v is not None for v in began.values()):
+            lacking = sorted((g for g in lacking if abs(t - began[g]) <= SAME_SAVE_S), key=lambda g: abs(t - began[g]))  # type: ignore[operator]
+        if lacking:
+            groups[lacking[0]].append(r)
+        else:
+            open_saves.setdefault(key, []).append(len(groups))
+            groups.append([r])
+    return [sorted(g, key=lambda r: number(r, "rank") or 0.0) for g in groups]
 
 
 def _scalar(v: Any) -> Any:
