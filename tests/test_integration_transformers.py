@@ -276,8 +276,26 @@ def test_removing_the_newest_folder_rolls_back_as_with_the_stock_trainer(interru
     with caplog.at_level("WARNING", logger="checkpointing"):
         _, start = resume(out, True, reference)
     assert start == 4  # not step 8, whose folder the user removed
-    assert "not those of steps [8], removed since they were written" in caplog.text
+    assert "not resuming from steps [8], whose folders were removed from" in caplog.text
     assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")  # the run saved step 8 again, replacing it
+
+
+@pytest.mark.parametrize("record", ["damaged", "a directory"])
+def test_an_unreadable_record_of_published_folders_never_undoes_a_roll_back(record: str, interrupted: Path, reference: dict[str, Any],
+                                                                            tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = copy_of(interrupted, tmp_path)
+    shutil.rmtree(out / "checkpoint-8")
+    path = out / markers.PUBLISHED_NAME
+    path.unlink()
+    if record == "damaged":
+        path.write_text('{"transformers_checkpointing": 1, "published": [[4, "')
+    else:
+        path.mkdir()
+    with caplog.at_level("WARNING", logger="checkpointing"):
+        _, start = resume(out, True, reference)  # train() goes on even where the record cannot be written
+    assert start == 4 and f"{markers.PUBLISHED_NAME} there cannot be read" in caplog.text
+    assert folder_steps(out) == [4, 8, 12] == committed(out / "checkpointing")
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
 
 
 def test_a_checkpoint_folder_copied_into_another_run_is_refused(interrupted: Path, reference: dict[str, Any], tmp_path: Path) -> None:

@@ -27,12 +27,15 @@ published in that output_dir and someone removed it since (a roll-back, as with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 
 from checkpointing.errors import CheckpointError
 
@@ -46,6 +49,9 @@ _FOLDER = re.compile(rf"^{PREFIX}-(\d+)$")  # what get_last_checkpoint matches
 _STAGING, _REMOVING = ".staging-", ".removing-"
 PUBLISHED_NAME = ".checkpointing-published.json"
 MAX_PUBLISHED = 4096  # entries kept in the record (the oldest go first)
+_MAX_RECORD_BYTES = 1 << 20  # what MAX_PUBLISHED entries take, with room to spare
+
+log = logging.getLogger("checkpointing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,30 +98,47 @@ def publish(staging: str, folder: str, pointer: Pointer) -> None:
     record_published(parent, pointer.step, pointer.save_id)
 
 
-def published(run_dir: str) -> set[tuple[int, str]]:
-    """The (step, save_id) of the folders published in `run_dir`; empty when there is no readable record."""
+def published(run_dir: str) -> set[tuple[int, str]] | None:
+    """The (step, save_id) of the folders published in `run_dir`: empty without a record, None when the record
+    cannot be read (not a regular file, damaged, or larger than this library writes)."""
+    path = os.path.join(run_dir, PUBLISHED_NAME)
     try:
-        with open(os.path.join(run_dir, PUBLISHED_NAME), "rb") as f:
-            obj = json.loads(f.read(MAX_PUBLISHED * 64 + 4096).decode("utf-8"))
-        entries = obj["published"] if isinstance(obj, dict) and obj.get(MAGIC) == VERSION else []
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        with open(path, "rb") as f:
+            data = f.read(_MAX_RECORD_BYTES + 1)
+    except FileNotFoundError:
+        return set()
+    except OSError:
+        return None
+    try:
+        obj = json.loads(data.decode("utf-8")) if len(data) <= _MAX_RECORD_BYTES else None
+        entries = obj["published"] if isinstance(obj, dict) and obj.get(MAGIC) == VERSION else None
         return {(e[0], e[1]) for e in entries if isinstance(e, list) and len(e) == 2
                 and isinstance(e[0], int) and not isinstance(e[0], bool) and isinstance(e[1], str)}
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return set()
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
 
 
 def record_published(run_dir: str, step: int, save_id: str | None) -> None:
-    """Add checkpoint-`step` (the save `save_id`) to `run_dir`'s record of published folders."""
+    """Add checkpoint-`step` (the save `save_id`) to `run_dir`'s record of published folders (best effort: a
+    record that cannot be written is logged; resuming then writes a removed folder again, as before records)."""
     if save_id is None:
         return
-    entries = sorted(published(run_dir) | {(step, save_id)})[-MAX_PUBLISHED:]
+    entries = sorted((published(run_dir) or set()) | {(step, save_id)})[-MAX_PUBLISHED:]
     path = os.path.join(run_dir, PUBLISHED_NAME)
     tmp = f"{path}.tmp-{secrets.token_hex(6)}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({MAGIC: VERSION, "published": [list(e) for e in entries]}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(json.dumps({MAGIC: VERSION, "published": [list(e) for e in entries]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("checkpointing: cannot record checkpoint-%d in %s (%s): remove what is there, so that removing a "
+                    "checkpoint folder is a roll-back again", step, path, exc)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def read_pointer(folder: str) -> Pointer | None:

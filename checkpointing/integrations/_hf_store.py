@@ -9,11 +9,9 @@ step with the committed steps:
   to `checkpoint-N` once the step is committed (durable on every tier; a failed upload still
   publishes it: the step is committed locally), or deletes it if the save failed; the error is
   raised at the next save() or at drain().
-- Folders of ours whose step is no longer committed (retention deleted it: save_total_limit maps
-  onto the manager's keep_local/keep_remote as a SaveTotalLimit policy) are removed after each
-  commit, at drain() and when a run starts, under one lock with the publishing. (Retention runs
-  on the writer thread just before the done callback, so such a folder outlives its step by
-  moments; resolve() checks the step, so it is never resumed from.)
+- Folders of ours whose step is no longer committed (retention: save_total_limit is the manager's
+  SaveTotalLimit policy) are removed after each commit, at drain() and when a run starts, under one
+  lock with the publishing (such a folder outlives its step by moments; resolve() checks the step).
 - resolve(folder): the step a `checkpoint-N` folder names, only if it is committed.
   latest(output_dir): the newest such folder, after writing again the folders of committed steps
   that have none (the run died between a commit and the rename, or output_dir was lost) from the
@@ -234,11 +232,15 @@ class TrainerCheckpoints:
         if self._markers:
             have = {n for n, _ in markers.scan(output_dir)}
             missing = [s for s in mgr.steps() if s not in have]
-            rebuilt = [step for step in missing if self._rebuild(output_dir, step, markers.published(output_dir))]
-            if missing:
-                log.warning("checkpointing: wrote the checkpoint folders of steps %s in %s again from %s (they had none); "
-                            "not those of steps %s, removed since they were written (their steps stay until a save replaces "
-                            "them or `checkpointing rm` deletes them)", rebuilt, output_dir, self.root, sorted(set(missing) - set(rebuilt)))
+            removed = markers.published(output_dir)
+            rebuilt = [step for step in missing if removed is not None and self._rebuild(output_dir, step, removed)]
+            if rebuilt:
+                log.warning("checkpointing: wrote the checkpoint folders of steps %s in %s again from %s (they had none)",
+                            rebuilt, output_dir, self.root)
+            if left := sorted(set(missing) - set(rebuilt)):
+                log.warning("checkpointing: not resuming from steps %s, whose folders were removed from %s%s (their steps stay "
+                            "until a save replaces them or `checkpointing rm` deletes them)", left, output_dir, "" if removed is not None
+                            else f" or cannot be told from lost ones: {markers.PUBLISHED_NAME} there cannot be read (delete it to write them again)")
             chosen = self._newest_resolving(output_dir)
         if mgr.world_size == 1:
             return chosen if self._markers else self._newest_resolving(output_dir)
