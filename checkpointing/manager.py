@@ -299,7 +299,7 @@ class CheckpointManager:
             else:
                 self._acct.close()
             if self.remote_storage is not None:
-                self.remote_storage.close()
+                self.remote_storage.close(final=True)
             self._pool.release()
             self._coord.close()  # with several ranks: leave together (rank 0 may host the store)
             self._peers.close()  # every rank is closing: none copies to, fetches or lists this node's server any more

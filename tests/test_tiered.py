@@ -544,3 +544,16 @@ def test_a_restart_on_fewer_ranks_resumes_the_upload_when_it_holds_every_file(tm
     else:
         assert tiers == {1: "local"} and catalog.list_steps(remote_of(s3_bucket)).committed == []
         assert "its upload cannot resume: no rank of this job holds 1 of its files" in caplog.text
+
+
+def test_close_stops_the_remote_tiers_own_io_threads(tmp_path, s3_bucket):
+    """A job that opens a manager per phase (the frameworks' plugins do) must not gather threads."""
+    url, options = s3_bucket
+    before = set(threading.enumerate())
+    for i in range(3):
+        with CheckpointManager(tmp_path / f"local{i}", remote=f"{url}/run{i}", storage_options=options) as mgr:
+            mgr.save(1, {"w": torch.randn(1000)}).result(120)
+    left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("ckpt-")]
+    assert left == [], left
+    with CheckpointManager(tmp_path / "local0", read_only=True, remote=f"{url}/run0", storage_options=options) as mgr:
+        assert mgr.steps() == [1]  # a later manager on the same tiers reads them
