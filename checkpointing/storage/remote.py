@@ -118,10 +118,8 @@ class FsspecStorage:
             self.endpoint.ioloop.on_thread(hook)
 
     def close(self, *, final: bool = False) -> None:
-        """Stop the upload threads (after the uploads they run). The storage stays usable (an own
-        event loop runs until the storage is garbage collected), unless `final`: then the own event
-        loop and its threads stop too (a manager's close(): its I/O threads' hooks refer back to the
-        storage, so collection alone would never stop them)."""
+        """Stop the upload threads (after the uploads they run); the storage stays usable, unless `final` (a manager's
+        close()): then its own event loop and threads stop too (their hooks refer to it: collection never would)."""
         self.transfers.close()
         if final and self.endpoint.ioloop is not None:
             self.endpoint.ioloop.close()
