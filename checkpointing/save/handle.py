@@ -53,6 +53,7 @@ class SaveHandle(concurrent.futures.Future):
         self._settle_lock = threading.Lock()
         self._settled = False
         self._callbacks: list[Callable[["SaveHandle"], object]] = []
+        self._peer_watch: threading.Thread | None = None
         job.outcome.done.when_set(self._settle)
         if job.upload is not None:
             job.upload.done.when_set(self._settle)
@@ -156,9 +157,10 @@ class SaveHandle(concurrent.futures.Future):
         if not outcome.done.is_set() or (not outcome.error and upload is not None and not upload.done.is_set()):
             return
         if not outcome.error and self.peer is not None and not self.peer.done.is_set():
-            if not getattr(self, "_peer_watch", None):  # peer copies' event has no hooks: a thread waits for it
-                self._peer_watch = threading.Thread(target=lambda: (self.peer.done.wait(), self._settle()),  # type: ignore[union-attr]
-                                                    name=f"ckpt-handle-{self.step}", daemon=True)
+            with self._settle_lock:  # peer copies' event has no hooks: a thread waits for it
+                start, self._peer_watch = self._peer_watch is None, self._peer_watch or threading.Thread(
+                    target=lambda: (self.peer.done.wait(), self._settle()), name=f"ckpt-handle-{self.step}", daemon=True)  # type: ignore[union-attr]
+            if start:
                 self._peer_watch.start()
             return
         with self._settle_lock:

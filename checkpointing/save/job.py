@@ -18,6 +18,7 @@ it, later ones do not; a background thread that has reported it elsewhere marks 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable
@@ -32,6 +33,8 @@ from checkpointing.observe.metrics import SaveStats
 from checkpointing.plan.pack import PackPlan, plan_pack
 from checkpointing.plan.reuse import PlaceKey, ReuseBase
 from checkpointing.state.tree import FlatState
+
+log = logging.getLogger("checkpointing")
 
 Stall = Callable[[int, float], None]  # (step, seconds the training thread waited): SaveAccounting.stall
 
@@ -144,7 +147,10 @@ class Signal(threading.Event):
             super().set()
             hooks, self._hooks = self._hooks, []
         for hook in hooks:
-            hook()
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - whoever sets the event (the writer) goes on
+                log.exception("checkpointing: a hook of a save's event failed")
 
 
 class SaveOutcome:
