@@ -270,3 +270,9 @@ def test_rewinding_into_an_optimizer_with_other_state_keys_takes_the_saved_ones(
     got = target.state_dict()["state"][0]
     assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
     assert target.param_groups[0]["amsgrad"] is True
+
+
+def test_a_key_of_another_type_is_named_as_such(mgr):
+    mgr.save(1, {"d": {1: torch.ones(2)}}).wait()
+    with pytest.raises(CheckpointMismatchError, match=r"d/1: missing from the checkpoint \(the step has the int key 1, the target the str key '1'"):
+        mgr.restore({"d": {"1": torch.zeros(2)}})

@@ -251,7 +251,7 @@ class _Planner:
             if not wildcard:
                 for k, v in target.items():
                     if not names.saved(k) and (top or _target_has_tensors(v)) and self.strict and self.select.wants(join_key(path + (k,))):
-                        self.problem(path + (k,), "missing from the checkpoint")
+                        self.problem(path + (k,), "missing from the checkpoint" + _key_types(k, [s for s, _ in items]))
             out = {}
             for saved_key, child in items:
                 k = names.target_key(saved_key)
@@ -295,6 +295,13 @@ class _Planner:
             self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
             return target
         return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
+
+
+def _key_types(key: Any, saved: list) -> str:
+    """A note when the step holds `key` under a key of another type (1 against "1": dict keys keep their types)."""
+    other = next((k for k in saved if str(k) == str(key) and type(k) is not type(key)), None)
+    return "" if other is None else (f" (the step has the {type(other).__name__} key {other!r}, the target the "
+                                     f"{type(key).__name__} key {key!r}: dict keys keep their types)")
 
 
 def _assign(container: Any, key: Any, value: Any) -> None:
