@@ -196,7 +196,8 @@ class ManagerOptions:
         self._check_peers()
         names = [c.name for c in self.codecs]
         if len(set(names)) != len(names):
-            raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name")
+            raise CheckpointConfigError(f"codecs have duplicate names {names}: give each codec a unique name (one PickleCodec "
+                                        "takes every class it may rebuild: PickleCodec(A, B), not PickleCodec(A), PickleCodec(B))")
 
     @property
     def yield_s(self) -> float | None:

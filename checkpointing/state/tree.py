@@ -139,6 +139,12 @@ class _Walker:
             return {"tensor": self.add_tensor(obj, path, deferred)}
         if isinstance(obj, np.ndarray):
             return {"ndarray": self.add_ndarray(obj, path)}
+        if type(obj) not in _PLAIN and isinstance(obj, (int, str, float, Mapping, list, tuple)):  # a subclass (IntEnum, OrderedDict):
+            codec = find_codec(self.codecs, obj)  # its codec, or its own state_dict(), before its base type
+            if codec is not None:
+                return self.visit_codec(codec, obj, path)
+            if is_stateful(obj):
+                return self.visit_stateful(obj, path)
         if obj is None or isinstance(obj, bool):
             return {"value": obj}
         if isinstance(obj, int):
@@ -191,17 +197,26 @@ class _Walker:
                 self._renormed |= renormed
                 deferred = frozenset(_storage(p) for p in obj.parameters()
                                      if not isinstance(p, torch.nn.parameter.UninitializedTensorMixin)) - renormed
-        sd = obj.state_dict()
+        try:
+            sd = obj.state_dict()
+        except Exception as exc:  # noqa: BLE001 - the user's object: say which
+            raise StateError(f"state[{join_key(path)!r}].state_dict() ({class_name(obj)}) raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(sd, Mapping):
             raise StateError(f"state[{join_key(path)!r}].state_dict() returned a {type(sd).__name__}, not a dict")
         return {"stateful": self.visit_mapping(sd, path, deferred), "class": class_name(obj)}
 
     def visit_codec(self, codec: Codec, obj: Any, path: tuple) -> dict[str, Any]:
-        data = codec.encode(obj)
+        try:
+            data = codec.encode(obj)
+        except Exception as exc:  # noqa: BLE001 - the user's codec: say which, and where
+            raise StateError(f"codec {codec.name!r} failed to encode state[{join_key(path)!r}] ({class_name(obj)}): "
+                             f"{type(exc).__name__}: {exc}") from exc
         try:
             json.dumps(data, allow_nan=False)
+            _json_keys(data)
         except (TypeError, ValueError) as exc:
-            raise StateError(f"codec {codec.name!r} returned non-JSON data for state[{join_key(path)!r}]: {exc}") from exc
+            raise StateError(f"codec {codec.name!r} returned non-JSON data for state[{join_key(path)!r}]: {exc} (JSON holds dicts "
+                             "with str keys, lists, str, int, float, bool, None: encode bytes with base64)") from exc
         return {"codec": codec.name, "data": data}
 
     def add_tensor(self, t: torch.Tensor, path: tuple, deferred: frozenset | bool) -> int:
@@ -245,6 +260,21 @@ class _Walker:
                              "convert it (e.g. a.astype(np.float64)) before saving") from None
         self.leaves.append(Leaf(join_key(path), t, False))
         return len(self.leaves) - 1
+
+
+_PLAIN = (int, str, float, dict, list, tuple, bool)
+
+
+def _json_keys(data: Any) -> None:
+    """ValueError for a dict key that is not a str anywhere in `data` (json.dumps would turn 1 into "1" silently)."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if not isinstance(k, str):
+                raise ValueError(f"the dict key {k!r} ({type(k).__name__}) is not a str")
+            _json_keys(v)
+    elif isinstance(data, (list, tuple)):
+        for v in data:
+            _json_keys(v)
 
 
 def _storage(t: torch.Tensor) -> int:
