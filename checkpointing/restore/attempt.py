@@ -12,7 +12,8 @@ its target. So the ranks compare notes after reading and before applying anythin
   damage, saying the targets were partly overwritten.
 
 Any other error on a rank stops every rank (CheckpointError naming it): no rank applies a step
-another rank could not read.
+another rank could not read, and an error while applying (a user's load_state_dict()) reaches every
+rank at once.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def restore_clean(state: MutableMapping, step: int | None, choose: Chooser, coor
         before_read()
         error = _read(plan, sources, coord, f"{name}-{attempt}")
         if error is None:
-            apply(plan, state)
+            _apply(plan, state, coord, f"{name}-{attempt}-applied")
             return chosen, sources
         damaged = error
         if step is not None:
@@ -85,6 +86,22 @@ def _read(plan: RestorePlan, sources: Sources, coord: Coordinator, name: str) ->
     if notes:
         return CheckpointCorruptError(f"step {plan.manifest.step}: damaged data found on " + group_by_cause({r: n["error"] for r, n in notes.items()}))
     return None
+
+
+def _apply(plan: RestorePlan, state: MutableMapping, coord: Coordinator, name: str) -> None:
+    """apply() on every rank, then the ranks compare notes: what it raised on any rank (a user's load_state_dict())
+    is raised on every rank, at once, rather than leaving the others to wait for it in their next collective call."""
+    mine: BaseException | None = None
+    try:
+        apply(plan, state)
+    except BaseException as exc:  # noqa: BLE001 - told to the other ranks, then raised here
+        mine = exc
+    failed = coord.errors_at(name, None if mine is None else f"{type(mine).__name__}: {mine}")
+    if mine is not None:
+        raise mine
+    if failed:
+        raise CheckpointError(f"restoring step {plan.manifest.step} failed on " + group_by_cause(failed) + " (this rank's state "
+                              "holds the step's values; the failing rank's holds part of them: restore again on every rank)")
 
 
 def _overwritten(damage: CheckpointCorruptError, why: str) -> CheckpointCorruptError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, MutableMapping
@@ -24,9 +25,10 @@ from checkpointing.state.codecs import Codec
 from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
+from checkpointing.restore.applying import assign, load_into
 from checkpointing.restore.optim_keys import fits_in_place, key_map, optimizer_problems, partial_state
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
-from checkpointing.restore.selection import NameMatch, Selection, tree_keys, unmatched
+from checkpointing.restore.selection import NameMatch, Selection, key_types, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
 from checkpointing.state.sharding import dtensor_layout, is_dtensor
 from checkpointing.state.tree import is_stateful, join_key
@@ -151,7 +153,12 @@ class _Planner:
         if codec is None:
             self.problem(path, f"saved with codec {node['codec']!r}: pass that codec: CheckpointManager(codecs=[...]), or load(..., codecs=[...])")
             return None
-        return codec.decode(node["data"])
+        try:
+            return codec.decode(node["data"])
+        except Exception as exc:  # noqa: BLE001 - the user's codec: a problem like any other, on every rank
+            self.problem(path, f"codec {node['codec']!r} could not decode the saved value ({type(exc).__name__}: {exc}): pass the codec "
+                               "the step was saved with, or leave the key out with exclude=")
+            return None
 
     def tensor(self, target: Any, node: dict, path: tuple) -> Any:
         entry = self.manifest.tensors[node.get("tensor", node.get("ndarray"))]
@@ -213,7 +220,7 @@ class _Planner:
         self.reads.append(ReadBox(entry, target.detach(), (0,) * len(entry.shape), entry.shape))
 
     def stateful(self, target: Any, node: dict, path: tuple) -> Any:
-        if target is _MISSING or isinstance(target, MutableMapping):  # an object's state_dict() restores into a dict
+        if target is _MISSING or (isinstance(target, MutableMapping) and not is_stateful(target)):  # state_dict() into a dict
             return self.mapping(target, node["stateful"], path)
         if not is_stateful(target):
             self.problem(path, f"saved from a {node['class']} (state_dict), the target is a {type(target).__name__}")
@@ -229,10 +236,7 @@ class _Planner:
         if isinstance(target, torch.optim.Optimizer) and (self.select.only or self.select.exclude):
             for where, text in partial_state(sd.get("state"), node, self.rekeyed.get(path, {})):
                 self.problem(path + where, text)
-        if isinstance(target, torch.nn.Module):
-            self.loads.append(lambda: target.load_state_dict(sd, strict=self.strict))
-        else:
-            self.loads.append(lambda: target.load_state_dict(sd))
+        self.loads.append(functools.partial(load_into, target, sd, join_key(path), self.strict))
         return target
 
     def mapping(self, target: Any, node: dict, path: tuple, *, top: bool = False) -> Any:
@@ -251,7 +255,7 @@ class _Planner:
             if not wildcard:
                 for k, v in target.items():
                     if not names.saved(k) and (top or _target_has_tensors(v)) and self.strict and self.select.wants(join_key(path + (k,))):
-                        self.problem(path + (k,), "missing from the checkpoint" + _key_types(k, [s for s, _ in items]))
+                        self.problem(path + (k,), "missing from the checkpoint" + key_types(k, [s for s, _ in items]))
             out = {}
             for saved_key, child in items:
                 k = names.target_key(saved_key)
@@ -295,32 +299,6 @@ class _Planner:
             self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
             return target
         return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
-
-
-def _key_types(key: Any, saved: list) -> str:
-    """A note when the step holds `key` under a key of another type (1 against "1": dict keys keep their types)."""
-    other = next((k for k in saved if str(k) == str(key) and type(k) is not type(key)), None)
-    return "" if other is None else (f" (the step has the {type(other).__name__} key {other!r}, the target the "
-                                     f"{type(key).__name__} key {key!r}: dict keys keep their types)")
-
-
-def _assign(container: Any, key: Any, value: Any) -> None:
-    """Put `value` into container[key], updating nested dicts and lists in place."""
-    current = container[key]
-    if current is value:
-        return
-    if isinstance(current, MutableMapping) and isinstance(value, dict):
-        for k, v in value.items():
-            if k in current:
-                _assign(current, k, v)
-            else:
-                current[k] = v
-        return
-    if isinstance(current, list) and isinstance(value, list) and len(current) == len(value):
-        for i, v in enumerate(value):
-            _assign(current, i, v)
-        return
-    container[key] = value
 
 
 @dataclasses.dataclass
@@ -390,7 +368,7 @@ def apply(plan: RestorePlan, state: MutableMapping) -> None:
         load()
     for key, value in plan.values.items():
         if key in state:
-            _assign(state, key, value)
+            assign(state, key, value)
         else:
             state[key] = value
 

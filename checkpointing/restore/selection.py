@@ -172,3 +172,10 @@ class NameMatch:
 
     def saved(self, target_key: Any) -> bool:
         return target_key in self._saved or self._plain(target_key, 1) in self._saved_plain
+
+
+def key_types(key: Any, saved: list) -> str:
+    """A note when the step holds `key` under a key of another type (1 against "1": dict keys keep their types)."""
+    other = next((k for k in saved if str(k) == str(key) and type(k) is not type(key)), None)
+    return "" if other is None else (f" (the step has the {type(other).__name__} key {other!r}, the target the "
+                                     f"{type(key).__name__} key {key!r}: dict keys keep their types)")
