@@ -251,7 +251,8 @@ class _Planner:
             renamed = self.rekeyed.get(path[:-1], {}) if path[-1:] == ("state",) else {}
             items = [(renamed.get(k, k), child) for k, child in items]
             names = NameMatch(target, [k for k, _ in items])
-            self.target_keys.update(join_key(path + (k,)) for k in target)
+            if self.select.exclude:  # only exclude= patterns may match the target's own keys
+                self.target_keys.update(join_key(path + (k,)) for k in target)
             if not wildcard:
                 for k, v in target.items():
                     if not names.saved(k) and (top or _target_has_tensors(v)) and self.strict and self.select.wants(join_key(path + (k,))):
