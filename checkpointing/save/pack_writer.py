@@ -59,7 +59,8 @@ class PackWriter:
         self.behind: WriteBehind | None = None
         self.write_block = write_block
         self.copier = Copier(pool, [leaf.tensor for leaf in inputs.flat.leaves], inputs.start_event,
-                             versions=[(leaf.key, leaf.version) for leaf in inputs.flat.leaves])
+                             versions=[(leaf.key, leaf.version) for leaf in inputs.flat.leaves],
+                             addresses=[leaf.address for leaf in inputs.flat.leaves])
         n = len(self.plan.placements)
         self.digests = [""] * n
         self.same = [False] * n  # the pool already held these bytes (the base's), so they were not copied
@@ -118,7 +119,8 @@ class PackWriter:
                 if self.written == before:
                     raise RuntimeError(f"staging ring of {ring} bytes cannot hold chunk {p} (plan invariant broken)")
             pieces = written[i] if written is not None else None  # the chunk's bytes in pages written since the base
-            self.same[i] = self.copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length, compare=compare, pieces=pieces)
+            self.same[i] = self.copier.copy(i, p.leaf, p.src_offset, p.pack_offset % ring, p.length, compare=compare,
+                                            pieces=pieces, returned=n >= eager)
             if self.same[i] and pieces is not None:
                 self.bytes_unwritten += p.length - sum(length for _, length in pieces)
             if n + 1 == eager:

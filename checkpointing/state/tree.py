@@ -41,6 +41,7 @@ class Leaf:
     deferred: bool  # True: copying may wait until the guard (only the optimizer step mutates it)
     layout: ShardLayout | None = None  # set for DTensor shards; None: a plain (per-rank) tensor
     version: int = -1  # deferred: the tensor's version counter at save() (an in-place write bumps it); else -1
+    address: int = 0  # deferred: where its memory was at save() (freed and allocated again, it moves); else 0
 
 
 @dataclasses.dataclass
@@ -246,7 +247,7 @@ class _Walker:
             deferred = storage_ptr in deferred
         deferred = (deferred or storage_ptr in self.watched) and storage_ptr not in self._renormed
         deferred = bool(deferred) and not self.eager
-        self.leaves.append(Leaf(key, t, deferred, layout, t._version if deferred else -1))
+        self.leaves.append(Leaf(key, t, deferred, layout, t._version if deferred else -1, t.data_ptr() if deferred else 0))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1
 
