@@ -151,13 +151,16 @@ class CheckpointMismatchError(CheckpointError):
 
 _RUN_MIN = 4  # sibling keys with one message shown as one line from this many on
 _LINES_MAX = 40
+_KEYS_MAX = 12  # keys named on one line before the rest are counted
 
 
 def problem_lines(problems: list[str]) -> list[str]:
-    """Problems ("key: what") as lines a reader takes in: a run of sibling keys with the same message
-    (an RNG state's 624 words) as one line naming the first and last key and how many; at most
-    _LINES_MAX lines, the rest counted (the error's `problems` keeps every one)."""
-    lines: list[str] = []
+    """Problems ("key: what") as lines a reader takes in: keys with the same message on one line from
+    _RUN_MIN of them on (in the order they first come, fewer each on its own); a run of sibling keys among
+    them (an RNG state's 624 words) as the first and last key and how many; at most _KEYS_MAX names per line and _LINES_MAX lines, the rest counted (the
+    error's `problems` keeps every one)."""
+    named: dict[str, list[str]] = {}  # message -> the keys (or runs of keys) it is about
+    lines: list[str | tuple[str, str]] = []
     i = 0
     while i < len(problems):
         key, sep, what = problems[i].partition(": ")
@@ -168,15 +171,34 @@ def problem_lines(problems: list[str]) -> list[str]:
             if not (s2 and w == what and k.rpartition("/")[0] == parent):
                 break
             j += 1
-        if j - i >= _RUN_MIN:
-            last = problems[j - 1].partition(": ")[0]
-            lines.append(f"{key} ... {last} ({j - i} keys under {parent}/): {what}")
+        if not sep:
+            lines.append(problems[i])
         else:
-            lines.extend(problems[i:j])
+            if what not in named:
+                named[what] = []
+                lines.append(("", what))
+            if j - i >= _RUN_MIN:
+                named[what].append(f"{key} ... {problems[j - 1].partition(': ')[0]} ({j - i} keys under {parent}/)")
+            else:
+                named[what].extend(p.partition(": ")[0] for p in problems[i:j])
         i = j
-    if len(lines) > _LINES_MAX:
-        lines = lines[:_LINES_MAX - 1] + [f"... and {len(lines) - _LINES_MAX + 1} more (the error's .problems lists every one)"]
-    return lines
+    out: list[str] = []
+    for line in lines:
+        if isinstance(line, str):
+            out.append(line)
+        elif len(named[line[1]]) >= _RUN_MIN:
+            out.append(f"{_names(named[line[1]])}: {line[1]}")
+        else:  # a few: each on its own line, as the key says it
+            out.extend(f"{name}: {line[1]}" for name in named[line[1]])
+    if len(out) > _LINES_MAX:
+        out = out[:_LINES_MAX - 1] + [f"... and {len(out) - _LINES_MAX + 1} more (the error's .problems lists every one)"]
+    return out
+
+
+def _names(keys: list[str]) -> str:
+    if len(keys) <= _KEYS_MAX:
+        return ", ".join(keys)
+    return ", ".join(keys[:_KEYS_MAX - 1]) + f" and {len(keys) - _KEYS_MAX + 1} more keys"
 
 
 class CheckpointNotFoundError(CheckpointError, LookupError):

@@ -46,15 +46,25 @@ def test_a_run_of_sibling_keys_with_one_message_reads_as_one_line():
     lines = problem_lines(problems)
     assert lines == ["model/weight: missing",
                      f"rng/python/state/1 ... rng/python/state/623 (623 keys under rng/python/state/): {per_rank}",
-                     "rng/numpy/keys: " + per_rank, "a/0: x", "a/1: x", "a/2: x"]  # three are listed as they are
+                     "rng/numpy/keys: " + per_rank, "a/0: x", "a/1: x", "a/2: x"]  # fewer than 4 keys (a run counts as one)
     err = CheckpointMismatchError(7, problems)
     assert err.problems == problems and "(628 problem(s))" in str(err) and "rng/python/state/5:" not in str(err)
     assert "model/weight: missing" in str(err) and "rng/numpy/keys" in str(err)
 
 
+def test_keys_with_one_message_share_its_line_wherever_they_are():
+    # a per-rank RNG state and a per-rank counter, restored on another world size: one reason, said once
+    per_rank = "saved per rank, and 1 rank(s) restore now"
+    problems = [f"model/weight: {per_rank}", "model/bias: missing", f"rng/torch: {per_rank}", f"pos/i: {per_rank}",
+                f"pos/epoch: {per_rank}"]
+    assert problem_lines(problems) == [f"model/weight, rng/torch, pos/i, pos/epoch: {per_rank}", "model/bias: missing"]
+    many = [f"k{i}: missing in the checkpoint" for i in range(100)]
+    assert problem_lines(many) == [", ".join(f"k{i}" for i in range(11)) + " and 89 more keys: missing in the checkpoint"]
+
+
 def test_a_long_list_of_different_problems_is_cut_and_counted():
-    problems = [f"k{i}: missing in the checkpoint" for i in range(100)]
-    lines = problem_lines(problems)  # top-level keys: each its own line, then cut
+    problems = [f"k{i}: missing in the checkpoint ({i})" for i in range(100)]
+    lines = problem_lines(problems)  # top-level keys, each its own message: each its own line, then cut
     assert len(lines) == 40 and lines[0] == problems[0] and lines[38] == problems[38]
     assert lines[-1] == "... and 61 more (the error's .problems lists every one)"
 
