@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpointing
 from checkpointing import CheckpointManager
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, DirectoryLockedError
 from checkpointing.format import naming
@@ -230,6 +231,29 @@ def test_symlinks_in_the_root_are_never_followed(tmp_path, caplog):
     r = subprocess.run([sys.executable, "-m", "checkpointing", "gc", str(d), "--pin-ttl-s", "0"], env=child_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     _intact(out, files)
+
+
+def test_a_users_file_or_directory_under_our_names_is_left_alone(tmp_path, caplog):
+    """A file named like a step directory (an operator's notes) is no incomplete step to tidy away: open, saves,
+    retention, `gc` and `ls` leave it as it is; a directory named metrics.jsonl costs the metrics line, not the save."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / naming.step_dir(50)).write_text("operator's notes, not a checkpoint\n")
+    (d / naming.METRICS_NAME).mkdir()
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        with CheckpointManager(d, keep_local=1) as mgr:
+            for step in (1, 2):
+                mgr.save(step, {"w": torch.arange(1000.0) + step}).wait()
+            assert mgr.steps() == [2]
+            with pytest.raises(checkpointing.CheckpointSaveError, match="not a directory"):
+                mgr.save(50, {"w": torch.zeros(3)}).wait()  # the file is in the way, and stays
+    assert any("metrics" in r.getMessage() and "Is a directory" in r.getMessage() for r in caplog.records)
+    for args in (["gc", str(d), "--pin-ttl-s", "0"], ["ls", str(d)]):
+        r = subprocess.run([sys.executable, "-m", "checkpointing", *args], env=child_env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert (d / naming.step_dir(50)).read_text() == "operator's notes, not a checkpoint\n"
+    assert (d / naming.METRICS_NAME).is_dir()
+    assert checkpointing.load(d)["w"].equal(torch.arange(1000.0) + 2)
 
 
 def test_local_storage_reads_no_link_fifo_or_oversized_object(tmp_path):

@@ -160,9 +160,10 @@ def last_recorded_step(path: os.PathLike | str, rank: int, *, tail_bytes: int = 
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, a FIFO: nothing recorded (log_save says it writes no line)
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         size = os.fstat(fd).st_size
         for start in dict.fromkeys((max(0, size - tail_bytes), 0)):
             f.seek(start)

@@ -79,9 +79,20 @@ def list_steps(storage: Storage) -> StepListing:
             continue
         if naming.COMMIT_NAME in storage.list(name) or _linked(storage, naming.commit_name(step)):
             committed.append(step)  # a linked COMMIT too: readers report it damaged, tidying leaves it alone
-        else:
+        elif not _plain_object(storage, name):  # a file of a step's name is not a step: nothing here touches it
             incomplete.append(step)
     return StepListing(sorted(committed), sorted(incomplete))
+
+
+def _plain_object(storage: Storage, path: str) -> bool:
+    """Whether `path` is a file (an object) rather than a directory: a user's, which no save made."""
+    try:
+        storage.size(path)
+    except (FileNotFoundError, SymlinkSkipped):
+        return False
+    except OSError:  # a directory, where the backend says so with another error
+        return False
+    return True
 
 
 def _linked(storage: Storage, path: str) -> bool:
