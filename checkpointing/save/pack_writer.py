@@ -59,7 +59,7 @@ class PackWriter:
         self.behind: WriteBehind | None = None
         self.write_block = write_block
         self.copier = Copier(pool, [leaf.tensor for leaf in inputs.flat.leaves], inputs.start_event,
-                             versions=[(leaf.key, leaf.version) for leaf in inputs.flat.leaves],
+                             versions=[(leaf.key, leaf.version, leaf.version_now) for leaf in inputs.flat.leaves],
                              addresses=[leaf.address for leaf in inputs.flat.leaves])
         n = len(self.plan.placements)
         self.digests = [""] * n

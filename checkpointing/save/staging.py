@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -133,10 +133,10 @@ class Copier:
     """Copies byte ranges of source tensors into the pool; `ready(i)` blocks until copy i landed."""
 
     def __init__(self, pool: StagingPool, sources: list[torch.Tensor], start_event: Any = None,
-                 versions: list[tuple[str, int]] | None = None, addresses: list[int] | None = None) -> None:
+                 versions: list[tuple[str, int, Callable[[], int]]] | None = None, addresses: list[int] | None = None) -> None:
         self.pool = pool
         self.originals = sources
-        self.versions = versions  # per source: (key, version counter at save(), or -1: not checked)
+        self.versions = versions  # per source: (key, version counter at save() or -1: not checked, the counter now)
         self.addresses = addresses  # per source: its data_ptr() at save(), or 0: not checked
         self.sources = [_flat_bytes(t) for t in sources]
         # per source: its live bytes' address range where writes to them can be watched (pagewrites.py):
@@ -184,8 +184,8 @@ class Copier:
         since save() returned, by anything but the optimizer's step, may have been copied with its new values,
         so the save fails rather than keep them. Version counters move only when a write ends, hence one check
         at the end (a check per chunk would miss a write under way at it)."""
-        for (key, version), source in zip(self.versions or (), self.originals):
-            if version >= 0 and source._version != version:
+        for key, version, now in self.versions or ():
+            if version >= 0 and now() != version:
                 raise StateError(f"state[{key!r}] was written in place after save() returned and before the save copied it "
                                  "(not by the optimizer's step(), which waits for the copy): the save would hold the new "
                                  "values. Call handle.wait_staged() before writing it, or save with snapshot='eager'")

@@ -42,6 +42,11 @@ class Leaf:
     layout: ShardLayout | None = None  # set for DTensor shards; None: a plain (per-rank) tensor
     version: int = -1  # deferred: the tensor's version counter at save() (an in-place write bumps it); else -1
     address: int = 0  # deferred: where its memory was at save() (freed and allocated again, it moves); else 0
+    counted: torch.Tensor | None = None  # deferred DTensor shard: the DTensor, whose counter `version` is (an
+    # in-place op on a DTensor bumps its own counter, not its local shard's); else None: `tensor` counts
+
+    def version_now(self) -> int:
+        return (self.counted if self.counted is not None else self.tensor)._version
 
 
 @dataclasses.dataclass
@@ -225,8 +230,9 @@ class _Walker:
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
             raise StateError(f"state[{key!r}] is an uninitialized parameter or buffer (a lazy module, e.g. nn.LazyLinear): "
                              "run one forward pass to create it before saving")
-        layout = None
+        layout, counted = None, None
         if is_dtensor(t):
+            counted = t
             t, layout = dtensor_layout(t, key)  # detached below: a DTensor's own detach() is a dispatched op (~30 us)
         elif t.is_nested:
             raise StateError(f"state[{key!r}] {_unsupported(t)}")
@@ -247,7 +253,9 @@ class _Walker:
             deferred = storage_ptr in deferred
         deferred = (deferred or storage_ptr in self.watched) and storage_ptr not in self._renormed
         deferred = bool(deferred) and not self.eager
-        self.leaves.append(Leaf(key, t, deferred, layout, t._version if deferred else -1, t.data_ptr() if deferred else 0))
+        counted = counted if deferred else None
+        version = (counted if counted is not None else t)._version if deferred else -1
+        self.leaves.append(Leaf(key, t, deferred, layout, version, t.data_ptr() if deferred else 0, counted))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1
 
