@@ -104,7 +104,8 @@ class FaultyFS:
         return attr
 
     def call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._run(method, str(kwargs.get("Key", "")), lambda *a, **k: self._fs.call_s3(method, *a, **k), args, kwargs)
+        path = str(kwargs.get("Key", "")) or " ".join(o["Key"] for o in kwargs.get("Delete", {}).get("Objects", []))  # delete_objects: its keys
+        return self._run(method, path, lambda *a, **k: self._fs.call_s3(method, *a, **k), args, kwargs)
 
     def count(self, op: str, path: str = "*") -> int:
         return sum(1 for o, p, _ in self.calls if o == op and fnmatch.fnmatchcase(p, path))

@@ -853,3 +853,25 @@ def test_each_ranks_account_of_a_step_holds_its_own_files(m):
         assert all(f.rank == rank for f in account.files)
         assert decode_committed_step(encode_committed_step(account), WHERE) == account
     assert sorted(f.path for a in accounts for f in a.files) == sorted(f.path for f in whole.files)
+
+
+@pytest.mark.parametrize("version, says", [
+    (_DELETE, "damaged"), ("3", "damaged"), (None, "damaged"), (0, "damaged"), (4, "upgrade checkpointing"),
+])
+def test_a_format_version_is_called_newer_only_when_it_is(version, says):
+    """A COMMIT or manifest whose format_version a flipped byte removed is damaged, not from a newer library: the error
+    does not send the person on call to upgrade (only a larger version does)."""
+    for decode, data in ((decode_manifest, _manifest_with(format_version=version)),
+                         (decode_commit, _commit_with(version))):
+        with pytest.raises(ManifestError) as info:
+            decode(data, "step-0000000007/FILE")
+        assert says in str(info.value) and ("upgrade" in str(info.value)) == (says != "damaged"), str(info.value)
+
+
+def _commit_with(version) -> bytes:
+    obj = json.loads(GOLDEN_COMMIT_BYTES)
+    if version is _DELETE:
+        del obj["format_version"]
+    else:
+        obj["format_version"] = version
+    return json.dumps(obj).encode()

@@ -557,3 +557,19 @@ def test_close_stops_the_remote_tiers_own_io_threads(tmp_path, s3_bucket):
     assert left == [], left
     with CheckpointManager(tmp_path / "local0", read_only=True, remote=f"{url}/run0", storage_options=options) as mgr:
         assert mgr.steps() == [1]  # a later manager on the same tiers reads them
+
+
+def test_a_step_retention_cannot_delete_holds_back_no_other(tmp_path, s3_bucket, caplog):
+    """keep_remote=2 while the bucket refuses to delete step 1 (a retention lock, a policy): the other steps are
+    retired as usual, step 1 stays, and one warning names it (every later step used to be kept: the bucket grew
+    without bound)."""
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        with manager(tmp_path / "local", s3_bucket, keep_remote=2, keep_local=1) as mgr:
+            mgr.save(1, state(1)).wait()
+            inject(mgr.remote_storage, Fault("delete_objects", "denied", times=-1, path="*step-0000000001*"))
+            for step in range(2, 7):
+                mgr.save(step, state(step)).wait()
+            mgr.wait()
+    assert catalog.list_steps(remote_of(s3_bucket)).committed == [1, 5, 6]
+    warned = [r.getMessage() for r in caplog.records if "retention could not delete step 1" in r.getMessage()]
+    assert len(warned) == 1 and "checkpointing rm" in warned[0], warned

@@ -53,10 +53,14 @@ def _load_json(data: bytes, where: str, versions: tuple[int, ...] = (FORMAT_VERS
     if not isinstance(obj, dict):
         raise ManifestError(f"{where} must hold a JSON object, found {type(obj).__name__}")
     version = obj.get("format_version")
-    if isinstance(version, bool) or version not in versions:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ManifestError(f"{where} is damaged: it has no valid format_version (found {version!r:.40}), which every "
+                            "checkpointing file holds; the step cannot be read")
+    if version not in versions:
+        newer = version > max(versions)
         raise ManifestError(
-            f"{where} has format_version {version!r}; this library reads version(s) "
-            f"{', '.join(map(str, versions))} (upgrade checkpointing to read newer checkpoints)"
+            f"{where} has format_version {version}; this library reads version(s) {', '.join(map(str, versions))}"
+            + (" (upgrade checkpointing to read newer checkpoints)" if newer else "")
         )
     return obj
 

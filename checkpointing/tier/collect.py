@@ -31,12 +31,12 @@ import logging
 import time
 from typing import Callable, Collection
 
-from checkpointing.tier import catalog, temporaries
+from checkpointing.tier import catalog, holders, temporaries
 from checkpointing.format import naming
-from checkpointing.errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from checkpointing.errors import CheckpointError, CheckpointNotFoundError
 from checkpointing.plan.retention import RetentionPolicy, as_policy, steps_to_delete
 from checkpointing.storage import Storage
-from checkpointing.tier.pins import PIN_PREFIX, pins_in, read_pin
+from checkpointing.tier.pins import PIN_PREFIX, pins_in
 
 log = logging.getLogger("checkpointing")
 
@@ -97,8 +97,8 @@ def collect(
         return out  # nothing to collect: no manifest needs reading
     # G2: what is there now (files created later belong to writers that pinned first)
     names = {s: storage.list(naming.step_dir(s)) for s in uncommitted}
-    pins = _read_pins(storage, uncommitted, protect, ages)  # G3
-    refs = _read_manifests(storage, skip=retire if dry_run else ())  # G4
+    pins = holders.read_pins(storage, uncommitted, protect, ages.dead)  # G3
+    refs = holders.read_manifests(storage, skip=retire if dry_run else ())  # G4
     out.pinned, out.problems = pins.pinned, pins.problems + refs.problems
     if out.problems:  # a step we cannot read may reference anything: delete no data
         return out
@@ -159,25 +159,6 @@ class _Ages:
         return self.pin_ttl_s <= 0 or (a is not None and a > self.pin_ttl_s)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Pins:
-    """What G3 found in the uncommitted step directories."""
-
-    live: frozenset[str]  # files the pins that hold name
-    pinned: list[int]  # steps a save in flight holds (a pin that holds, or `protect`)
-    dead: dict[int, list[str]]  # step -> its crashed writers' pins
-    problems: list[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Refs:
-    """What G4 found in the committed steps' manifests."""
-
-    live: frozenset[str]  # files they reference
-    own: dict[int, set[str]]  # committed step -> the names it owns (files, COMMIT, manifest)
-    problems: list[str]
-
-
 def _retire(storage: Storage, retire: list[int], dry_run: bool) -> catalog.StepListing:
     """G1: remove the COMMIT of each step to retire, and the pins in its directory (a dry run removes
     nothing), then list the steps. A committed step is saved by no one (saving a committed step is
@@ -186,56 +167,14 @@ def _retire(storage: Storage, retire: list[int], dry_run: bool) -> catalog.StepL
     step's files as "a save in flight" until some writer's next start."""
     if not dry_run:
         for step in retire:
-            storage.delete(naming.commit_name(step))
-            for pin in pins_in(storage, [step]).get(step, ()):
-                storage.delete(pin)
+            _uncommit(storage, step)
     return catalog.list_steps(storage)
 
 
-def _read_pins(storage: Storage, uncommitted: list[int], protect: Collection[int], ages: _Ages) -> _Pins:
-    """G3: the pins in each uncommitted step directory; a crashed writer's pin holds nothing."""
-    live: set[str] = set()
-    problems: list[str] = []
-    pinned: list[int] = []
-    dead: dict[int, list[str]] = {}
-    for s in uncommitted:
-        sdir = naming.step_dir(s)
-        pins = [f"{sdir}/{n}" for n in storage.list(sdir) if n.startswith(PIN_PREFIX)]
-        holds = s in protect
-        for pin in pins:
-            if s not in protect and ages.dead(pin):
-                dead.setdefault(s, []).append(pin)
-                continue
-            holds = True
-            try:
-                live.update(read_pin(storage, pin))
-            except (ManifestError, FileNotFoundError) as exc:
-                if not isinstance(exc, FileNotFoundError):  # gone meanwhile: its save committed or failed
-                    problems.append(f"step {s}: {exc}")
-        if holds:
-            pinned.append(s)
-    return _Pins(frozenset(live), pinned, dead, problems)
-
-
-def _read_manifests(storage: Storage, *, skip: Collection[int]) -> _Refs:
-    """G4: the committed steps, listed again (a step that committed and dropped its pin since G2 is
-    read here), and what their manifests reference. `skip`: steps a dry run pretends were retired."""
-    live: set[str] = set()
-    own: dict[int, set[str]] = {}
-    problems: list[str] = []
-    for s in catalog.list_steps(storage).committed:
-        if s in skip:
-            continue
-        try:
-            marker = catalog.read_commit(storage, s)
-            manifest = catalog.load_manifest(storage, s)
-        except CheckpointError as exc:
-            problems.append(f"step {s}: {exc}")
-            continue
-        files = {f.path for f in manifest.files} | manifest.data_files()
-        live |= files
-        own[s] = files | {naming.commit_name(s), marker.manifest}
-    return _Refs(frozenset(live), own, problems)
+def _uncommit(storage: Storage, step: int) -> None:
+    storage.delete(naming.commit_name(step))
+    for pin in pins_in(storage, [step]).get(step, ()):
+        storage.delete(pin)
 
 
 class _Sweep:
@@ -321,13 +260,32 @@ def retire_by_policy(storage: Storage, keep: int | RetentionPolicy | None, *, pr
     files stay until `collect_retired` (a large file's unlink can take a good part of a second)."""
     try:
         doomed = to_retire(storage, keep, protect=protect)
-        _retire(storage, doomed, dry_run=False)
-    except OSError as exc:  # one failed delete must not stop training; retried after the next save
+    except OSError as exc:  # a failed read must not stop training; retried after the next save
         if sweep:
             raise
-        log.warning("checkpointing: could not delete steps from %s: %s", where or storage.url, exc)
+        log.warning("checkpointing: could not apply retention to %s: %s", where or storage.url, exc)
         return []
-    return doomed
+    retired = []
+    for step in doomed:  # one step that cannot be deleted (permissions, an immutable directory) holds back no other
+        try:
+            _uncommit(storage, step)
+        except OSError as exc:  # with `sweep` too: the caller's warning would not say which step, nor go on
+            _cannot_retire(storage, step, exc, where)
+            continue
+        retired.append(step)
+    return retired
+
+
+_REPORTED: set[tuple[str, int]] = set()  # (tier, step) whose failed retirement was logged as a warning once
+
+
+def _cannot_retire(storage: Storage, step: int, exc: OSError, where: str | None) -> None:
+    level = logging.DEBUG if (storage.url, step) in _REPORTED else logging.WARNING
+    _REPORTED.add((storage.url, step))
+    log.log(level, "checkpointing: retention could not delete step %d from %s (%s: %s); the other steps are retired as "
+            "usual, and this one is tried again after each save: fix the permissions of %s/%s, or remove it "
+            "(checkpointing rm %s --step %d --force)", step, where or storage.url, type(exc).__name__, exc,
+            storage.url, naming.step_dir(step), storage.url, step)
 
 
 def to_retire(storage: Storage, keep: int | RetentionPolicy | None, *, protect: int | Collection[int] | None = None) -> list[int]:
