@@ -78,3 +78,22 @@ def test_a_handle_is_a_future_that_wait_as_completed_and_asyncio_accept(tmp_path
         assert asyncio.run(durable(mgr.save(4, {"w": torch.zeros(8)}))).step == 4
         with pytest.raises(RuntimeError, match="finishes with its save"):
             handles[0].set_result(None)
+
+
+def test_a_read_only_manager_starts_no_thread_and_a_writing_one_only_at_its_first_save(tmp_path):
+    """`CheckpointManager(d, read_only=True).steps()`, unclosed, as a script that only looks would write it, leaves no thread
+    behind (each left a ckpt-io thread running until the interpreter exited)."""
+    import threading
+
+    def io_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "ckpt-io")
+
+    before = io_threads()  # other tests' unclosed managers may hold some
+    with CheckpointManager(tmp_path) as mgr:
+        assert io_threads() <= before  # nothing saved yet
+        mgr.save(1, {"w": torch.arange(4.0)}).wait()
+        assert io_threads() == before + 1
+    assert io_threads() <= before
+    for _ in range(3):
+        assert CheckpointManager(tmp_path, read_only=True).steps() == [1]
+    assert io_threads() <= before

@@ -20,18 +20,23 @@ Item = TypeVar("Item")
 class SerialThread(Generic[Item]):
     """A daemon thread named `name` calling `handle(item)` for each item put, in order."""
 
-    def __init__(self, name: str, handle: Callable[[Item], None], *, cpu: CpuYield | None = None) -> None:
+    def __init__(self, name: str, handle: Callable[[Item], None], *, cpu: CpuYield | None = None, lazy: bool = False) -> None:
+        """`lazy`: the thread starts at the first put() (a manager that never saves, read_only=True, starts none).
+        Only where put() is called by the training thread: a thread inherits the policy of the one starting it."""
         self._handle = handle
         self._cpu = cpu
         self._queue: queue.Queue[Item | None] = queue.Queue()
         self._unfinished = 0  # items put and not yet handled
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        if not lazy:
+            self._thread.start()
 
     def put(self, item: Item) -> None:
         with self._idle:
             self._unfinished += 1
+            if self._thread.ident is None:
+                self._thread.start()
         self._queue.put(item)
 
     def busy(self) -> bool:
@@ -50,6 +55,9 @@ class SerialThread(Generic[Item]):
 
     def close(self) -> None:
         """Stop once the items put so far have run."""
+        with self._idle:
+            if self._thread.ident is None:
+                return  # never started: nothing was put
         self._queue.put(None)
         self._thread.join()
 

@@ -176,7 +176,7 @@ class SaveWorker:
         self._records, self._retention, self._uploader = records, retention, uploader
         self._base: ReuseBase | None = None
         self._waited = threading.Event()  # save() waits for this thread to finish what it does after earlier saves
-        self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run, cpu=self._cpu)
+        self._thread: SerialThread[SaveJob] = SerialThread("ckpt-io", self._run, cpu=self._cpu, lazy=True)
         self._scrub = Reverifier(storage, every=reverify_every if incremental else None, bytes_per_s=reverify_bytes_per_s,
                                  busy=lambda: self._thread.pending() or self._waited.is_set())
 
