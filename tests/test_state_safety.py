@@ -234,7 +234,7 @@ def test_a_parameter_written_in_place_after_save_returns_fails_that_save_or_is_s
     assert "refused" in outcomes or outcomes == ["saved"] * 3
 
 
-def _fsdp2_written_in_place_after_save(rank, world, root):
+def _fsdp2_written_in_place_after_save(rank, world, root, how):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -249,10 +249,14 @@ def _fsdp2_written_in_place_after_save(rank, world, root):
     opt.step()
     before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     with CheckpointManager(root) as mgr:
-        handle = mgr.save(1, {"model": model, "optim": opt})
+        as_dicts = how == "state_dict"  # the optimizer seen stepping: its tensors defer as the objects' do
+        handle = mgr.save(1, {"model": model.state_dict(), "optim": opt.state_dict()} if as_dicts else {"model": model, "optim": opt})
         with torch.no_grad():
             for p in model.parameters():
-                p.mul_(0.5)  # a DTensor written in place: its own version counter moves, not its local shard's
+                if how == "dtensor":
+                    p.mul_(0.5)  # a DTensor written in place: its own version counter moves, not its local shard's
+                else:
+                    p.to_local().mul_(0.5)  # through its local shard: the shard's counter moves, not the DTensor's
         try:
             handle.wait()
         except checkpointing.CheckpointSaveError as exc:
@@ -261,10 +265,13 @@ def _fsdp2_written_in_place_after_save(rank, world, root):
     return "saved as it was" if all(torch.equal(loaded[k], before[k]) for k in before) else "saved with the new values"
 
 
-def test_a_sharded_parameter_written_in_place_after_save_returns_fails_that_save(tmp_path):
+@pytest.mark.parametrize("how", ["dtensor", "to_local", "state_dict"])
+def test_a_sharded_parameter_written_in_place_after_save_returns_fails_that_save(tmp_path, how):
     """FSDP2: an in-place write to a DTensor parameter before the deferred copy reached it is caught as with a plain
-    tensor (it used to go unseen, and the step held the values written after save())."""
+    tensor, made through the DTensor (it used to go unseen, and the step held the values written after save()) or
+    through its local shard, with the module and optimizer in the state or their state_dict()s (detached copies,
+    whose counters no write to the parameters moves)."""
     from _dist import run_ranks
 
-    results = run_ranks(_fsdp2_written_in_place_after_save, 2, str(tmp_path / "ck"), tmp=tmp_path)
+    results = run_ranks(_fsdp2_written_in_place_after_save, 2, str(tmp_path / "ck"), how, tmp=tmp_path)
     assert all(r in ("refused", "saved as it was") for r in results), results

@@ -66,18 +66,18 @@ def test_watched_storages_are_the_optimizers_parameters_and_state():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stepped = SteppedOptimizers()
-    assert stepped.storages() == frozenset()
+    assert set(stepped.storages()) == set()
     stepped.saw_in({"model": model, "optim": opt, "epoch": 3})
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    assert stepped.storages() == params  # no state before the first step
+    assert set(stepped.storages()) == params  # no state before the first step
     _train_step(model, opt, 0)
     state = {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()}
-    assert stepped.storages() == params | state
+    assert set(stepped.storages()) == params | state
     buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
-    assert not buffers & stepped.storages()
+    assert not buffers & set(stepped.storages())
     del opt
     gc.collect()
-    assert stepped.storages() == frozenset()  # a dropped optimizer is forgotten
+    assert set(stepped.storages()) == set()  # a dropped optimizer is forgotten
 
 
 def test_flatten_defers_state_dict_tensors_of_watched_storages_only():

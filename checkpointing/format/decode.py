@@ -57,11 +57,8 @@ def _load_json(data: bytes, where: str, versions: tuple[int, ...] = (FORMAT_VERS
         raise ManifestError(f"{where} is damaged: it has no valid format_version (found {version!r:.40}), which every "
                             "checkpointing file holds; the step cannot be read")
     if version not in versions:
-        newer = version > max(versions)
-        raise ManifestError(
-            f"{where} has format_version {version}; this library reads version(s) {', '.join(map(str, versions))}"
-            + (" (upgrade checkpointing to read newer checkpoints)" if newer else "")
-        )
+        raise ManifestError(f"{where} has format_version {version}; this library reads version(s) {', '.join(map(str, versions))}"
+                            + (" (upgrade checkpointing to read newer checkpoints)" if version > max(versions) else ""))
     return obj
 
 

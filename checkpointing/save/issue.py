@@ -29,7 +29,7 @@ from checkpointing.save.planning import PackPlanner
 from checkpointing.save.stepped import SteppedOptimizers
 from checkpointing.save.uploader import Uploader
 from checkpointing.save.worker import SaveWorker
-from checkpointing.state.tree import FlatState, flatten_state
+from checkpointing.state.tree import FlatState, Owners, flatten_state
 from checkpointing.storage import LocalStorage
 from checkpointing.tier import catalog
 
@@ -112,7 +112,7 @@ class SaveIssuer:
                 f"missing_ok=True, on every rank; CLI: checkpointing rm DIR_OR_URL --step {step})"
             )
         eager = eager if eager is not None else self._options.snapshot == "eager"
-        watched = frozenset[int]()
+        watched: Owners = {}
         # plain tensors of watched optimizers (state dicts) copy as late as the objects do (not a Mapping: flatten_state says what to pass)
         if not eager and isinstance(state, Mapping):
             self._stepped.saw_in(state)

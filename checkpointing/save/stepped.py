@@ -26,7 +26,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from checkpointing.state.sharding import local_tensor
+from checkpointing.state.tree import Owners, owners
 
 
 class SteppedOptimizers:
@@ -46,23 +46,18 @@ class SteppedOptimizers:
             if isinstance(value, Optimizer):
                 self.saw(value)
 
-    def storages(self) -> frozenset[int]:
-        """Addresses of the storages only optimizer.step() of a watched optimizer mutates."""
-        out: set[int] = set()
+    def storages(self) -> Owners:
+        """The storages only optimizer.step() of a watched optimizer mutates, by address, with the tensors the
+        optimizers hold there (state/tree.owners: a write to them after save() is checked on their counters too)."""
+        out: dict[int, dict] = {}
         for opt in list(self._optimizers):
-            for group in opt.param_groups:
-                out.update(_addresses(group["params"]))
-            for per_param in opt.state.values():
-                if isinstance(per_param, Mapping):
-                    out.update(_addresses(v for v in per_param.values() if isinstance(v, torch.Tensor)))
-        out.discard(0)
-        return frozenset(out)
-
-
-def _addresses(tensors: Iterable[torch.Tensor]) -> Iterable[int]:
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            yield local_tensor(t).untyped_storage().data_ptr()
+            params = [p for group in opt.param_groups for p in group["params"] if isinstance(p, torch.Tensor)]
+            state = [v for per_param in opt.state.values() if isinstance(per_param, Mapping)
+                     for v in per_param.values() if isinstance(v, torch.Tensor)]
+            for address, views in owners(params + state).items():
+                for view, held in views.items():
+                    out.setdefault(address, {}).setdefault(view, held)
+        return out
 
 
 def register_guard(hook: Callable[..., Any]) -> RemovableHandle:

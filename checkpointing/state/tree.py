@@ -17,7 +17,7 @@ import base64
 import dataclasses
 import json
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -42,11 +42,13 @@ class Leaf:
     layout: ShardLayout | None = None  # set for DTensor shards; None: a plain (per-rank) tensor
     version: int = -1  # deferred: the tensor's version counter at save() (an in-place write bumps it); else -1
     address: int = 0  # deferred: where its memory was at save() (freed and allocated again, it moves); else 0
-    counted: torch.Tensor | None = None  # deferred DTensor shard: the DTensor, whose counter `version` is (an
-    # in-place op on a DTensor bumps its own counter, not its local shard's); else None: `tensor` counts
+    counted: tuple[torch.Tensor, ...] = ()  # deferred: other tensors whose version counters `version` adds up: a
+    # DTensor and the parameter or optimizer state it was taken from (an in-place op on a DTensor moves its own counter,
+    # a write through to_local() its shard's, and neither moves the counters of a state_dict()'s detached copy)
 
     def version_now(self) -> int:
-        return (self.counted if self.counted is not None else self.tensor)._version
+        """The counters only grow: their sum moves when any does."""
+        return self.tensor._version + sum(c._version for c in self.counted)
 
 
 @dataclasses.dataclass
@@ -83,8 +85,11 @@ def encode_float(x: float) -> dict[str, Any]:
     return {"float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
 
 
+Owners = Mapping[int, Mapping[tuple, tuple[torch.Tensor, ...]]]  # storage address -> view -> the live tensors (owners())
+
+
 def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), eager: bool = False,
-                  watched: frozenset[int] = frozenset()) -> FlatState:
+                  watched: Owners | None = None) -> FlatState:
     """Walk `state`; raise StateError naming the key of anything that cannot be checkpointed.
 
     A tensor's copy may be deferred (Leaf.deferred) when it belongs to an optimizer object or to a
@@ -93,7 +98,7 @@ def flatten_state(state: Mapping[str, Any], *, codecs: tuple[Codec, ...] = (), e
     """
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a dict of name -> value, such as {{'model': model, 'optim': optimizer}}; got {type(state).__name__}")
-    walker = _Walker(codecs, eager, watched)
+    walker = _Walker(codecs, eager, watched or {})
     tree = walker.visit_mapping(state, ())
     try:  # what save writes, restore must be able to read: the decoder's own checks, now
         check_tree(tree, len(walker.leaves), "state")
@@ -119,7 +124,7 @@ def _unsupported(t: torch.Tensor) -> str | None:
 
 
 class _Walker:
-    def __init__(self, codecs: tuple[Codec, ...], eager: bool, watched: frozenset[int]) -> None:
+    def __init__(self, codecs: tuple[Codec, ...], eager: bool, watched: Owners) -> None:
         self.codecs = codecs
         self.eager = eager
         self.watched = watched
@@ -127,7 +132,7 @@ class _Walker:
         self._alias: dict[tuple, int] = {}
         self._renormed: frozenset[int] = frozenset()  # weights a forward rewrites in place: never deferred
 
-    def visit_mapping(self, obj: Mapping, path: tuple, deferred: frozenset | bool = False) -> dict[str, Any]:
+    def visit_mapping(self, obj: Mapping, path: tuple, deferred: Owners | bool = False) -> dict[str, Any]:
         items = []
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -140,7 +145,7 @@ class _Walker:
             items.append([k, self.visit(v, path + (k,), deferred)])
         return {"dict": items}
 
-    def visit(self, obj: Any, path: tuple, deferred: frozenset | bool) -> dict[str, Any]:
+    def visit(self, obj: Any, path: tuple, deferred: Owners | bool) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
             return {"tensor": self.add_tensor(obj, path, deferred)}
         if isinstance(obj, np.ndarray):
@@ -190,19 +195,20 @@ class _Walker:
         )
 
     def visit_stateful(self, obj: Any, path: tuple) -> dict[str, Any]:
-        deferred: frozenset | bool = False
+        deferred: Owners | bool = False
         if not self.eager:
             if isinstance(obj, torch.optim.Optimizer):
                 # per-parameter state changes only inside optimizer.step(); param_groups (a tensor lr) in scheduler.step() too
-                deferred = frozenset(_storage(v) for st in obj.state.values() if isinstance(st, Mapping)
-                                     for v in st.values() if isinstance(v, torch.Tensor))
+                deferred = owners(v for st in obj.state.values() if isinstance(st, Mapping)
+                                  for v in st.values() if isinstance(v, torch.Tensor))
             elif isinstance(obj, torch.nn.Module):
                 # parameters change only in optimizer.step(); buffers (BatchNorm stats) and the weights a forward
                 # renormalizes in place (nn.Embedding(max_norm=...)) change in forward
                 renormed = frozenset(_storage(m.weight) for m in obj.modules() if _renorms(m))
                 self._renormed |= renormed
-                deferred = frozenset(_storage(p) for p in obj.parameters()
-                                     if not isinstance(p, torch.nn.parameter.UninitializedTensorMixin)) - renormed
+                deferred = {address: held for address, held in owners(
+                    p for p in obj.parameters() if not isinstance(p, torch.nn.parameter.UninitializedTensorMixin)).items()
+                    if address not in renormed}
         try:
             sd = obj.state_dict()
         except Exception as exc:  # noqa: BLE001 - the user's object: say which
@@ -225,7 +231,7 @@ class _Walker:
                              "with str keys, lists, str, int, float, bool, None: encode bytes with base64)") from exc
         return {"codec": codec.name, "data": data}
 
-    def add_tensor(self, t: torch.Tensor, path: tuple, deferred: frozenset | bool) -> int:
+    def add_tensor(self, t: torch.Tensor, path: tuple, deferred: Owners | bool) -> int:
         key = join_key(path)
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
             raise StateError(f"state[{key!r}] is an uninitialized parameter or buffer (a lazy module, e.g. nn.LazyLinear): "
@@ -249,12 +255,14 @@ class _Walker:
         alias_key = (t.device, storage_ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, layout)
         if t.numel() and alias_key in self._alias:
             return self._alias[alias_key]
-        if isinstance(deferred, frozenset):
-            deferred = storage_ptr in deferred
+        held: tuple[torch.Tensor, ...] = ()
+        if not isinstance(deferred, bool):
+            held, deferred = deferred.get(storage_ptr, {}).get(_view(t), ()), storage_ptr in deferred
         deferred = (deferred or storage_ptr in self.watched) and storage_ptr not in self._renormed
         deferred = bool(deferred) and not self.eager
-        counted = counted if deferred else None
-        version = (counted if counted is not None else t)._version if deferred else -1
+        watched = self.watched.get(storage_ptr, {}).get(_view(t), ()) if deferred else ()
+        counted = _distinct((counted, *held, *watched), t) if deferred else ()
+        version = t._version + sum(c._version for c in counted) if deferred else -1
         self.leaves.append(Leaf(key, t, deferred, layout, version, t.data_ptr() if deferred else 0, counted))
         self._alias[alias_key] = len(self.leaves) - 1
         return len(self.leaves) - 1
@@ -288,6 +296,31 @@ def _json_keys(data: Any) -> None:
 
 def _storage(t: torch.Tensor) -> int:
     return local_tensor(t).untyped_storage().data_ptr()
+
+
+def owners(tensors: Iterable[torch.Tensor]) -> dict[int, dict[tuple, tuple[torch.Tensor, ...]]]:
+    """Per storage address (never 0: empty), per view of it (offset, shape), the tensors there as the user holds
+    them: a DTensor with its local shard."""
+    out: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
+    for t in tensors:
+        local = local_tensor(t)
+        address = local.untyped_storage().data_ptr()
+        if address:
+            out.setdefault(address, {}).setdefault(_view(local), _distinct((t, local), None))
+    return out
+
+
+def _view(t: torch.Tensor) -> tuple:
+    return t.storage_offset(), tuple(t.shape)
+
+
+def _distinct(tensors: Iterable[torch.Tensor | None], leaf: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The tensors, each once (by identity: == compares values), without None and `leaf`."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t is not None and t is not leaf:
+            seen.setdefault(id(t), t)
+    return tuple(seen.values())
 
 
 def _renorms(module: torch.nn.Module) -> bool:
