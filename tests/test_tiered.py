@@ -573,3 +573,16 @@ def test_a_step_retention_cannot_delete_holds_back_no_other(tmp_path, s3_bucket,
     assert catalog.list_steps(remote_of(s3_bucket)).committed == [1, 5, 6]
     warned = [r.getMessage() for r in caplog.records if "retention could not delete step 1" in r.getMessage()]
     assert len(warned) == 1 and "checkpointing rm" in warned[0], warned
+
+
+def test_a_directory_named_metrics_jsonl_costs_the_metrics_not_the_uploads(tmp_path, s3_bucket):
+    """The upload thread copies metrics.jsonl to the remote tier after each upload: a directory of that name (a stray
+    mkdir) used to end that thread with IsADirectoryError, and every later save and wait() hung."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "metrics.jsonl").mkdir()
+    with manager(tmp_path / "local", s3_bucket) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, state(step)).wait().ok
+        mgr.wait()
+        assert mgr.tiers() == {1: "remote", 2: "local+remote", 3: "local+remote"}
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3]

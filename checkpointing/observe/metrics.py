@@ -204,10 +204,11 @@ def metrics_bytes(path: os.PathLike | str) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METRICS_BYTES:  # a directory: fdopen() would raise
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METRICS_BYTES:
-            return None
         return f.read()
 
 
@@ -247,6 +248,7 @@ class MetricsSink:
         self.path = path
         self.callback = callback
         self.callback_errors = 0
+        self.append_errors = 0  # the first failed append is a warning, the later ones debug lines
         self._queue: queue.Queue[tuple[dict[str, Any], bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -295,4 +297,6 @@ class MetricsSink:
         try:
             append_jsonl(self.path, record)
         except OSError as exc:
-            log.warning("checkpointing: could not append metrics to %s: %s", self.path, exc)
+            self.append_errors += 1
+            log.log(logging.WARNING if self.append_errors == 1 else logging.DEBUG, "checkpointing: could not append metrics to %s: %s "
+                    "(the saves go on without their metrics lines; said once)", self.path, exc)

@@ -8,6 +8,7 @@ priority follows the save's: lowered once a snapshot is staged, raised when some
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable, Generic, TypeVar
@@ -15,6 +16,9 @@ from typing import Callable, Generic, TypeVar
 from checkpointing.save.yielding import CpuYield
 
 Item = TypeVar("Item")
+
+
+log = logging.getLogger("checkpointing")
 
 
 class SerialThread(Generic[Item]):
@@ -71,6 +75,8 @@ class SerialThread(Generic[Item]):
                     return
                 try:
                     self._handle(item)
+                except Exception:  # noqa: BLE001 - a handler's bug must not end the thread: every later item would hang
+                    log.exception("checkpointing: %s: unexpected error (the thread goes on with the next item)", self._thread.name)
                 finally:
                     with self._idle:
                         self._unfinished -= 1
