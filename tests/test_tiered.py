@@ -586,3 +586,21 @@ def test_a_directory_named_metrics_jsonl_costs_the_metrics_not_the_uploads(tmp_p
         mgr.wait()
         assert mgr.tiers() == {1: "remote", 2: "local+remote", 3: "local+remote"}
     assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3]
+
+
+def test_a_file_retention_cannot_delete_holds_back_no_other_step(tmp_path, s3_bucket, caplog):
+    """keep_remote=2 while the bucket refuses to delete step 1's pack file: step 1 is retired, its pack stays, and the
+    files of every later retired step go as usual (the first refusal used to end the whole collection, every save)."""
+    remote = remote_of(s3_bucket)
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        with manager(tmp_path / "local", s3_bucket, keep_remote=2, keep_local=1) as mgr:
+            mgr.save(1, state(1)).wait()
+            inject(mgr.remote_storage, Fault("delete_objects", "denied", times=-1, path="*step-0000000001/*.pack*"))
+            for step in range(2, 7):
+                mgr.save(step, state(step)).wait()
+            mgr.wait()
+    assert catalog.list_steps(remote).committed == [5, 6]
+    assert [name for name in remote.list("") if name.startswith("step-")] == ["step-0000000001", "step-0000000005", "step-0000000006"]
+    assert all(name.endswith(".pack") for name in remote.list("step-0000000001"))
+    warned = [r.getMessage() for r in caplog.records if "could not delete the files of retired step 1" in r.getMessage()]
+    assert len(warned) == 1, warned

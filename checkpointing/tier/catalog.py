@@ -77,14 +77,15 @@ def list_steps(storage: Storage) -> StepListing:
         step = naming.parse_step_dir(name)
         if step is None:
             continue
-        if naming.COMMIT_NAME in storage.list(name) or _linked(storage, naming.commit_name(step)):
+        inside = storage.list(name)
+        if naming.COMMIT_NAME in inside or _linked(storage, naming.commit_name(step)):
             committed.append(step)  # a linked COMMIT too: readers report it damaged, tidying leaves it alone
-        elif not _plain_object(storage, name):  # a file of a step's name is not a step: nothing here touches it
+        elif inside or not plain_object(storage, name):  # a file of a step's name (no more) is a user's: left alone
             incomplete.append(step)
     return StepListing(sorted(committed), sorted(incomplete))
 
 
-def _plain_object(storage: Storage, path: str) -> bool:
+def plain_object(storage: Storage, path: str) -> bool:
     """Whether `path` is a file (an object) rather than a directory: a user's, which no save made."""
     try:
         storage.size(path)

@@ -58,6 +58,7 @@ class Collected:
     kept: dict[int, int]  # uncommitted step -> files left because committed steps still reference them
     pinned: list[int]  # uncommitted steps left alone: a save in flight pins them
     problems: list[str]  # what stopped the collection of data (nothing was deleted because of it)
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # keep_going: step -> the delete that failed there
 
 
 def collect(
@@ -74,6 +75,7 @@ def collect(
     on_delete: Callable[[Garbage], object] | None = None,
     spare: Callable[[str], bool] | None = None,
     drop_spares: bool = False,
+    keep_going: bool = False,
 ) -> Collected:
     """Retire the committed steps `retire`, then remove every file on the tier that nothing needs.
 
@@ -102,7 +104,8 @@ def collect(
     out.pinned, out.problems = pins.pinned, pins.problems + refs.problems
     if out.problems:  # a step we cannot read may reference anything: delete no data
         return out
-    sweep = _Sweep(storage, out, ages, pins.live | refs.live, dry_run=dry_run, measure=measure, on_delete=on_delete, spare=spare)
+    sweep = _Sweep(storage, out, ages, pins.live | refs.live, dry_run=dry_run, measure=measure, on_delete=on_delete, spare=spare,
+                   keep_going=keep_going)
     for s in uncommitted:  # G5: delete what nothing needs
         if s in pins.pinned or s in refs.own:  # pinned, or committed since G2
             continue
@@ -181,9 +184,11 @@ class _Sweep:
     """G5: delete (a dry run: only report) the files nothing needs, recording each in `out`."""
 
     def __init__(self, storage: Storage, out: Collected, ages: _Ages, live: frozenset[str], *, dry_run: bool,
-                 measure: bool, on_delete: Callable[[Garbage], object] | None, spare: Callable[[str], bool] | None = None) -> None:
+                 measure: bool, on_delete: Callable[[Garbage], object] | None, spare: Callable[[str], bool] | None = None,
+                 keep_going: bool = False) -> None:
         self.storage, self.out, self.ages, self.live = storage, out, ages, live
         self.dry_run, self.measure, self.on_delete, self.spare = dry_run, measure, on_delete, spare
+        self.keep_going = keep_going  # a file that cannot be deleted leaves its step for next time, not the others
 
     def drop(self, path: str, reason: str) -> None:
         nbytes = _size(self.storage, path) if self.measure else 0
@@ -207,10 +212,17 @@ class _Sweep:
             if path in self.live or self.ages.young(path):
                 kept += path in self.live
                 continue
-            self.drop(path, reason if path not in dead_pins else "pin of a crashed save")
+            try:
+                self.drop(path, reason if path not in dead_pins else "pin of a crashed save")
+            except OSError as exc:
+                if not self.keep_going:
+                    raise
+                self.out.failed[step] = f"{self.storage.url}/{path}: {type(exc).__name__}: {exc}"
+                return
         if kept:
             self.out.kept[step] = kept
-        elif not self.dry_run and not self.ages.young(sdir) and (names or not self.ages.just_made(sdir)):
+        elif (not self.dry_run and not self.ages.young(sdir) and (names or not self.ages.just_made(sdir))
+              and not catalog.plain_object(self.storage, sdir)):  # a user's object of that name beside it stays
             self.storage.remove_dir(sdir)
 
     def spares(self) -> None:
@@ -276,16 +288,19 @@ def retire_by_policy(storage: Storage, keep: int | RetentionPolicy | None, *, pr
     return retired
 
 
-_REPORTED: set[tuple[str, int]] = set()  # (tier, step) whose failed retirement was logged as a warning once
+_REPORTED: set[tuple[str, int, bool]] = set()  # (tier, step, its files) whose failed retirement was a warning once
 
 
-def _cannot_retire(storage: Storage, step: int, exc: OSError, where: str | None) -> None:
-    level = logging.DEBUG if (storage.url, step) in _REPORTED else logging.WARNING
-    _REPORTED.add((storage.url, step))
-    log.log(level, "checkpointing: retention could not delete step %d from %s (%s: %s); the other steps are retired as "
-            "usual, and this one is tried again after each save: fix the permissions of %s/%s, or remove it "
-            "(checkpointing rm %s --step %d --force)", step, where or storage.url, type(exc).__name__, exc,
-            storage.url, naming.step_dir(step), storage.url, step)
+def _cannot_retire(storage: Storage, step: int, exc: OSError | str, where: str | None, *, files: bool = False) -> None:
+    """A warning once per process for each step that could not be retired (its COMMIT) or emptied (`files`)."""
+    level = logging.DEBUG if (storage.url, step, files) in _REPORTED else logging.WARNING
+    _REPORTED.add((storage.url, step, files))
+    what = "the files of retired step %d" % step if files else "step %d" % step
+    cause = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    fix = "then `checkpointing gc` removes them" if files else f"or remove it (checkpointing rm {storage.url} --step {step} --force)"
+    log.log(level, "checkpointing: retention could not delete %s from %s (%s); the other steps are retired as usual, and "
+            "this one is tried again after each save: fix the permissions of %s/%s, %s", what, where or storage.url, cause,
+            storage.url, naming.step_dir(step), fix)
 
 
 def to_retire(storage: Storage, keep: int | RetentionPolicy | None, *, protect: int | Collection[int] | None = None) -> list[int]:
@@ -303,7 +318,7 @@ def collect_retired(storage: Storage, *, in_flight: Collection[int] = (), sweep:
     no committed step, pin or save in flight (`in_flight`) needs (pack files `spare` keeps are moved
     aside instead, see collect)."""
     try:
-        result = collect(storage, protect=in_flight, scan_committed=False, spare=spare)
+        result = collect(storage, protect=in_flight, scan_committed=False, spare=spare, keep_going=True)
     except OSError as exc:
         if sweep:
             raise
@@ -312,6 +327,8 @@ def collect_retired(storage: Storage, *, in_flight: Collection[int] = (), sweep:
         return
     for p in result.problems:
         log.warning("checkpointing: retention %s kept every data file: %s", where or f"in {storage.url}", p)
+    for step, failure in result.failed.items():
+        _cannot_retire(storage, step, failure, where, files=True)
 
 
 def delete_step(storage: Storage, step: int) -> None:
