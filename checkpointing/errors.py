@@ -149,6 +149,12 @@ class CheckpointMismatchError(CheckpointError):
         super().__init__(f"checkpoint step {step} {head} ({len(self.problems)} problem(s)):\n  - {lines}\n{fix or fix_default}")
 
 
+def about_step(step: int, exc: BaseException | str) -> str:
+    """`exc` as a note about `step`: "step N: ...", once (many errors about a step already begin so)."""
+    text = str(exc)
+    return text if text.startswith(f"step {step}: ") else f"step {step}: {text}"
+
+
 _RUN_MIN = 4  # sibling keys with one message shown as one line from this many on
 _LINES_MAX = 40
 _KEYS_MAX = 12  # keys named on one line before the rest are counted
@@ -156,20 +162,17 @@ _KEYS_MAX = 12  # keys named on one line before the rest are counted
 
 def problem_lines(problems: list[str]) -> list[str]:
     """Problems ("key: what") as lines a reader takes in: keys with the same message on one line from
-    _RUN_MIN of them on (in the order they first come, fewer each on its own); a run of sibling keys among
-    them (an RNG state's 624 words) as the first and last key and how many; at most _KEYS_MAX names per line and _LINES_MAX lines, the rest counted (the
+    _RUN_MIN of them on (in the order they first come, fewer each on its own); a run of sibling keys
+    numbered one after the other among them (an RNG state's 624 words) as the first and last key and
+    how many; at most _KEYS_MAX names per line (the rest counted in keys) and _LINES_MAX lines (the
     error's `problems` keeps every one)."""
-    named: dict[str, list[str]] = {}  # message -> the keys (or runs of keys) it is about
+    named: dict[str, list[tuple[str, int]]] = {}  # message -> (a key or a run of keys, how many keys)
     lines: list[str | tuple[str, str]] = []
     i = 0
     while i < len(problems):
         key, sep, what = problems[i].partition(": ")
-        parent = key.rpartition("/")[0]
         j = i + 1
-        while sep and parent and j < len(problems):
-            k, s2, w = problems[j].partition(": ")
-            if not (s2 and w == what and k.rpartition("/")[0] == parent):
-                break
+        while sep and j < len(problems) and _next_sibling(problems[j - 1].partition(": ")[0], problems[j], what):
             j += 1
         if not sep:
             lines.append(problems[i])
@@ -178,9 +181,10 @@ def problem_lines(problems: list[str]) -> list[str]:
                 named[what] = []
                 lines.append(("", what))
             if j - i >= _RUN_MIN:
-                named[what].append(f"{key} ... {problems[j - 1].partition(': ')[0]} ({j - i} keys under {parent}/)")
+                parent = key.rpartition("/")[0]
+                named[what].append((f"{key} ... {problems[j - 1].partition(': ')[0]} ({j - i} keys under {parent}/)", j - i))
             else:
-                named[what].extend(p.partition(": ")[0] for p in problems[i:j])
+                named[what].extend((p.partition(": ")[0], 1) for p in problems[i:j])
         i = j
     out: list[str] = []
     for line in lines:
@@ -189,16 +193,26 @@ def problem_lines(problems: list[str]) -> list[str]:
         elif len(named[line[1]]) >= _RUN_MIN:
             out.append(f"{_names(named[line[1]])}: {line[1]}")
         else:  # a few: each on its own line, as the key says it
-            out.extend(f"{name}: {line[1]}" for name in named[line[1]])
+            out.extend(f"{name}: {line[1]}" for name, _ in named[line[1]])
     if len(out) > _LINES_MAX:
         out = out[:_LINES_MAX - 1] + [f"... and {len(out) - _LINES_MAX + 1} more (the error's .problems lists every one)"]
     return out
 
 
-def _names(keys: list[str]) -> str:
+def _next_sibling(key: str, problem: str, what: str) -> bool:
+    """Whether `problem` is about the key numbered one after `key` under the same parent, with message `what`."""
+    k, sep, w = problem.partition(": ")
+    parent, _, last = key.rpartition("/")
+    k_parent, _, k_last = k.rpartition("/")
+    return bool(sep and w == what and parent and k_parent == parent and last.isdigit() and k_last.isdigit()
+                and int(k_last) == int(last) + 1)
+
+
+def _names(keys: list[tuple[str, int]]) -> str:
     if len(keys) <= _KEYS_MAX:
-        return ", ".join(keys)
-    return ", ".join(keys[:_KEYS_MAX - 1]) + f" and {len(keys) - _KEYS_MAX + 1} more keys"
+        return ", ".join(name for name, _ in keys)
+    rest = sum(n for _, n in keys[_KEYS_MAX - 1:])
+    return ", ".join(name for name, _ in keys[:_KEYS_MAX - 1]) + f" and {rest} more key{'s' if rest != 1 else ''}"
 
 
 class CheckpointNotFoundError(CheckpointError, LookupError):

@@ -226,3 +226,22 @@ def test_different_causes_are_grouped_by_cause(failed):
             [message] = [line for line in logged if "step 4 failed on" in line]
         assert expected in message and f"step-0000000004); rank 2: {STATE}" in message, (rank, message)
         assert message.count("File too large") == 1 and message.count("not checkpointable") == 1, message
+
+
+def test_only_keys_numbered_one_after_the_other_read_as_a_range():
+    # every other layer's weight mismatched: no "model/0.weight ... model/28.weight" that a reader takes for all of them
+    why = "saved float32[4, 4], target is float32[4, 5]"
+    problems = [f"model/{i}.weight: {why}" for i in range(0, 30, 2)]
+    line, = problem_lines(problems)
+    assert " ... " not in line and line.startswith("model/0.weight, model/2.weight, ") and line.endswith(f"and 4 more keys: {why}")
+    words = [f"rng/state/{i}: x" for i in (*range(1, 9), *range(10, 13))]  # 9 is missing: two runs
+    assert problem_lines(words) == ["rng/state/1 ... rng/state/8 (8 keys under rng/state/), rng/state/10, rng/state/11, "
+                                    "rng/state/12: x"]
+
+
+def test_a_line_counts_the_keys_it_leaves_out_runs_included():
+    why = "saved float32[3], target is float32[4]"
+    problems = [f"x/p{p:02d}/{g}: {why}" for p in range(13) for g in range(4)]  # 13 runs of 4 numbered siblings
+    line, = problem_lines(problems)
+    assert line.endswith(f"and 8 more keys: {why}"), line  # 11 runs named (44 keys), 2 runs of 4 left out
+    assert line.count(" keys under x/p") == 11

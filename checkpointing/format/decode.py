@@ -55,7 +55,7 @@ def _load_json(data: bytes, where: str, versions: tuple[int, ...] = (FORMAT_VERS
     version = obj.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ManifestError(f"{where} is damaged: it has no valid format_version (found {version!r:.40}), which every "
-                            "checkpointing file holds; the step cannot be read")
+                            "checkpointing file holds")
     if version not in versions:
         raise ManifestError(f"{where} has format_version {version}; this library reads version(s) {', '.join(map(str, versions))}"
                             + (" (upgrade checkpointing to read newer checkpoints)" if version > max(versions) else ""))

@@ -70,7 +70,7 @@ def load_records(path_or_dir: str | os.PathLike) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     if not stat.S_ISREG(mode):  # a symlink (perhaps out of the directory), a FIFO, a device: never followed or opened
-        raise CheckpointConfigError(f"{path} is not a regular file (a symlink, FIFO or device): not read; "
+        raise CheckpointConfigError(f"{path} is not a regular file (a directory, symlink, FIFO or device): not read; "
                                     f"remove it (a save writes a new {METRICS_NAME})")
     return [r for r in read_jsonl(path) if isinstance(r, dict)]
 

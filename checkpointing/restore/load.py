@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from checkpointing.errors import (CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                                  CheckpointNotFoundError)
+                                  CheckpointNotFoundError, about_step)
 from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import Sources, execute, plan_restore
@@ -106,7 +106,7 @@ def _newest_readable(storage: Storage, committed: list[int]) -> Manifest:
         try:
             return catalog.load_manifest(storage, s)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            problems.append(f"step {s}: {exc}")
+            problems.append(about_step(s, exc))
             log.warning("checkpointing: load() passes over step %d of %s: %s", s, storage.url, exc)
     raise CheckpointCorruptError(f"no committed step in {storage.url} can be read: {'; '.join(problems)}; "
                                  "checkpointing verify names what is damaged")

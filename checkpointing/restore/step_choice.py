@@ -18,7 +18,7 @@ import logging
 from typing import Any, Mapping
 
 from checkpointing.dist.types import Coordinator
-from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, about_step
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import RestorePlan, Sources, plan_restore
 from checkpointing.restore.selection import Selection
@@ -128,7 +128,7 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
             if step is not None:
                 found.error = exc
                 break
-            found.notes.append(f"step {s}: {exc}")
+            found.notes.append(about_step(s, exc))
             damaged.append(s)
             log.warning("checkpointing: rank %d cannot use step %d, passed over for an older one: %s", rank, s, exc)
             continue

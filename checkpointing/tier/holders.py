@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Collection
 
-from checkpointing.errors import CheckpointError, ManifestError
+from checkpointing.errors import CheckpointError, ManifestError, about_step
 from checkpointing.format import naming
 from checkpointing.storage import Storage
 from checkpointing.tier import catalog
@@ -51,7 +51,7 @@ def read_pins(storage: Storage, uncommitted: list[int], protect: Collection[int]
                 live.update(read_pin(storage, pin))
             except (ManifestError, FileNotFoundError) as exc:
                 if not isinstance(exc, FileNotFoundError):  # gone meanwhile: its save committed or failed
-                    problems.append(f"step {s}: {exc}")
+                    problems.append(about_step(s, exc))
         if holds:
             pinned.append(s)
     return Pins(frozenset(live), pinned, dead, problems)
@@ -70,7 +70,7 @@ def read_manifests(storage: Storage, *, skip: Collection[int]) -> Refs:
             marker = catalog.read_commit(storage, s)
             manifest = catalog.load_manifest(storage, s)
         except CheckpointError as exc:
-            problems.append(f"step {s}: {exc}")
+            problems.append(about_step(s, exc))
             continue
         files = {f.path for f in manifest.files} | manifest.data_files()
         live |= files
