@@ -14,7 +14,7 @@ What is copied after save() returned (snapshot="async") may have been freed by t
 (a storage resized to 0): each source is checked before each chunk and after it, against its size
 and its address at save(), and the save is refused. Only a free that unmaps the pages while a
 memmove of them runs (a window of one chunk) is not caught: reading such memory safely
-(process_vm_writev, which reports an unmapped page) cost 1.2-1.4x the copy's CPU, measured, for a
+(process_vm_writev, which reports an unmapped page) cost 1.2-1.6x the copy's CPU, measured, for a
 contract the user breaks (handle.wait_staged() says when the memory may go).
 
 The pool is backed by transparent huge pages where the kernel allows (MADV_HUGEPAGE): 2 MiB

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.optim import Optimizer
