@@ -559,20 +559,27 @@ def test_close_stops_the_remote_tiers_own_io_threads(tmp_path, s3_bucket):
         assert mgr.steps() == [1]  # a later manager on the same tiers reads them
 
 
-def test_a_step_retention_cannot_delete_holds_back_no_other(tmp_path, s3_bucket, caplog):
-    """keep_remote=2 while the bucket refuses to delete step 1 (a retention lock, a policy): the other steps are
-    retired as usual, step 1 stays, and one warning names it (every later step used to be kept: the bucket grew
-    without bound)."""
+@pytest.mark.parametrize("refused, committed, left, says", [
+    ("*step-0000000001*", [1, 5, 6], ["step-0000000001", "step-0000000005", "step-0000000006"], "delete step 1 "),
+    ("*step-0000000001/*.pack*", [5, 6], ["step-0000000001", "step-0000000005", "step-0000000006"],
+     "delete the files of retired step 1 "),
+], ids=["its-commit", "its-pack-file"])
+def test_a_step_retention_cannot_delete_holds_back_no_other(tmp_path, s3_bucket, caplog, refused, committed, left, says):
+    """keep_remote=2 while the bucket refuses to delete step 1 (a retention lock, a policy), or only its pack file: the
+    other steps are retired and their files removed as usual, and one warning names step 1. Every later step used to
+    be kept (its COMMIT refused), or every later retired step's files (its pack refused): the bucket grew without bound."""
+    remote = remote_of(s3_bucket)
     with caplog.at_level(logging.WARNING, logger="checkpointing"):
         with manager(tmp_path / "local", s3_bucket, keep_remote=2, keep_local=1) as mgr:
             mgr.save(1, state(1)).wait()
-            inject(mgr.remote_storage, Fault("delete_objects", "denied", times=-1, path="*step-0000000001*"))
+            inject(mgr.remote_storage, Fault("delete_objects", "denied", times=-1, path=refused))
             for step in range(2, 7):
                 mgr.save(step, state(step)).wait()
             mgr.wait()
-    assert catalog.list_steps(remote_of(s3_bucket)).committed == [1, 5, 6]
-    warned = [r.getMessage() for r in caplog.records if "retention could not delete step 1" in r.getMessage()]
-    assert len(warned) == 1 and "checkpointing rm" in warned[0], warned
+    assert catalog.list_steps(remote).committed == committed
+    assert [name for name in remote.list("") if name.startswith("step-")] == left
+    warned = [r.getMessage() for r in caplog.records if f"retention could not {says}" in r.getMessage()]
+    assert len(warned) == 1 and ("checkpointing rm" in warned[0] or "gc" in warned[0]), warned
 
 
 def test_a_directory_named_metrics_jsonl_costs_the_metrics_not_the_uploads(tmp_path, s3_bucket):
@@ -586,21 +593,3 @@ def test_a_directory_named_metrics_jsonl_costs_the_metrics_not_the_uploads(tmp_p
         mgr.wait()
         assert mgr.tiers() == {1: "remote", 2: "local+remote", 3: "local+remote"}
     assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3]
-
-
-def test_a_file_retention_cannot_delete_holds_back_no_other_step(tmp_path, s3_bucket, caplog):
-    """keep_remote=2 while the bucket refuses to delete step 1's pack file: step 1 is retired, its pack stays, and the
-    files of every later retired step go as usual (the first refusal used to end the whole collection, every save)."""
-    remote = remote_of(s3_bucket)
-    with caplog.at_level(logging.WARNING, logger="checkpointing"):
-        with manager(tmp_path / "local", s3_bucket, keep_remote=2, keep_local=1) as mgr:
-            mgr.save(1, state(1)).wait()
-            inject(mgr.remote_storage, Fault("delete_objects", "denied", times=-1, path="*step-0000000001/*.pack*"))
-            for step in range(2, 7):
-                mgr.save(step, state(step)).wait()
-            mgr.wait()
-    assert catalog.list_steps(remote).committed == [5, 6]
-    assert [name for name in remote.list("") if name.startswith("step-")] == ["step-0000000001", "step-0000000005", "step-0000000006"]
-    assert all(name.endswith(".pack") for name in remote.list("step-0000000001"))
-    warned = [r.getMessage() for r in caplog.records if "could not delete the files of retired step 1" in r.getMessage()]
-    assert len(warned) == 1, warned
