@@ -107,6 +107,10 @@ def _finish(loop: asyncio.AbstractEventLoop, thread: threading.Thread, closers: 
                 asyncio.run_coroutine_threadsafe(_await(closer), loop).result(timeout=5.0)
             except Exception as exc:  # noqa: BLE001 - closing must go on
                 log.debug("checkpointing: closing a session on the remote tier's loop failed: %s", exc)
+        try:  # the pool's threads end now, not some time after close() returned (loop.close() does not wait)
+            asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - closing must go on
+            log.debug("checkpointing: stopping the remote tier's I/O pool failed: %s", exc)
     try:
         loop.call_soon_threadsafe(loop.stop)
     except RuntimeError:  # closed meanwhile
