@@ -17,7 +17,7 @@ import os
 import queue
 import stat
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 log = logging.getLogger("checkpointing")
 
@@ -156,15 +156,11 @@ def append_jsonl(path: os.PathLike | str, stats: SaveStats | dict[str, Any]) -> 
 def last_recorded_step(path: os.PathLike | str, rank: int, *, tail_bytes: int = 1 << 18) -> int | None:
     """The step of the last record `rank` appended to the metrics file at `path` (None: no record of it),
     from the file's last `tail_bytes` (all of it when they hold no record of that rank)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    f = _open_regular(path)
+    if f is None:  # a directory, a FIFO: nothing recorded (log_save says it writes no line)
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, a FIFO: nothing recorded (log_save says it writes no line)
-        os.close(fd)
-        return None
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
+    with f:
+        size = os.fstat(f.fileno()).st_size
         for start in dict.fromkeys((max(0, size - tail_bytes), 0)):
             f.seek(start)
             for line in reversed(f.read().splitlines()[1 if start else 0:]):  # a tail's first line may be cut
@@ -200,16 +196,24 @@ def parse_jsonl(data: bytes) -> list[Any]:
 
 def metrics_bytes(path: os.PathLike | str) -> bytes | None:
     """The metrics file's bytes (None: none there, a link, not a regular file, or over MAX_METRICS_BYTES)."""
+    f = _open_regular(path)
+    if f is None:
+        return None
+    with f:
+        return f.read() if os.fstat(f.fileno()).st_size <= MAX_METRICS_BYTES else None
+
+
+def _open_regular(path: os.PathLike | str) -> BinaryIO | None:
+    """`path` opened for reading when it is a regular file (not through a link, never blocking on a FIFO);
+    else None (os.fdopen() of a directory would raise)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METRICS_BYTES:  # a directory: fdopen() would raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    return os.fdopen(fd, "rb")
 
 
 def log_save(stats: SaveStats, where: str) -> None:

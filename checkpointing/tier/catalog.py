@@ -80,19 +80,20 @@ def list_steps(storage: Storage) -> StepListing:
         inside = storage.list(name)
         if naming.COMMIT_NAME in inside or _linked(storage, naming.commit_name(step)):
             committed.append(step)  # a linked COMMIT too: readers report it damaged, tidying leaves it alone
-        elif inside or not plain_object(storage, name):  # a file of a step's name (no more) is a user's: left alone
+        elif inside or plain_object(storage, name) is not True:  # a file of a step's name (no more) is a user's: left alone
             incomplete.append(step)
     return StepListing(sorted(committed), sorted(incomplete))
 
 
-def plain_object(storage: Storage, path: str) -> bool:
-    """Whether `path` is a file (an object) rather than a directory: a user's, which no save made."""
+def plain_object(storage: Storage, path: str) -> bool | None:
+    """Whether `path` is a file (an object: a user's, which no save made, at a step's name) rather than a
+    directory or nothing; None when the storage could not tell (callers about to delete leave it alone)."""
     try:
         storage.size(path)
-    except (FileNotFoundError, SymlinkSkipped):
+    except FileNotFoundError:  # a directory, gone, or a link LocalStorage does not follow
         return False
-    except OSError:  # a directory, where the backend says so with another error
-        return False
+    except OSError:
+        return None
     return True
 
 

@@ -222,7 +222,7 @@ class _Sweep:
         if kept:
             self.out.kept[step] = kept
         elif (not self.dry_run and not self.ages.young(sdir) and (names or not self.ages.just_made(sdir))
-              and not catalog.plain_object(self.storage, sdir)):  # a user's object of that name beside it stays
+              and catalog.plain_object(self.storage, sdir) is False):  # a user's object of that name beside it stays
             self.storage.remove_dir(sdir)
 
     def spares(self) -> None:

@@ -61,14 +61,8 @@ def remove_failed_step_dir(storage: Storage, step: int) -> None:
     an empty step directory alone for a while (a writer's, about to be pinned: collect.py); its
     own writer knows it is done with it. A file of that name is not touched."""
     path = naming.step_dir(step)
-    try:
-        storage.size(path)
-        return  # an object of that name: not a directory this save made
-    except FileNotFoundError:  # a directory (or gone)
-        pass
-    except OSError:
-        return
-    storage.remove_dir(path)
+    if catalog.plain_object(storage, path) is False:  # a directory (or gone); an object of that name this save did not make
+        storage.remove_dir(path)
 
 
 def read_pin(storage: Storage, path: str) -> list[str]:
