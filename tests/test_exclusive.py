@@ -245,7 +245,7 @@ def test_a_users_file_or_directory_under_our_names_is_left_alone(tmp_path, caplo
             for step in (1, 2):
                 mgr.save(step, {"w": torch.arange(1000.0) + step}).wait()
             assert mgr.steps() == [2]
-            with pytest.raises(checkpointing.CheckpointSaveError, match="not a directory"):
+            with pytest.raises(checkpointing.CheckpointSaveError, match="not a directory; a file of that name is in the way: move or rename it"):
                 mgr.save(50, {"w": torch.zeros(3)}).wait()  # the file is in the way, and stays
     assert any("metrics" in r.getMessage() and "Is a directory" in r.getMessage() for r in caplog.records)
     for args in (["gc", str(d), "--pin-ttl-s", "0"], ["ls", str(d)]):

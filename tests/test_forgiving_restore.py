@@ -276,3 +276,34 @@ def test_a_key_of_another_type_is_named_as_such(mgr):
     mgr.save(1, {"d": {1: torch.ones(2)}}).wait()
     with pytest.raises(CheckpointMismatchError, match=r"d/1: missing from the checkpoint \(the step has the int key 1, the target the str key '1'"):
         mgr.restore({"d": {"1": torch.zeros(2)}})
+
+
+@pytest.mark.parametrize("saved_as", ["tensor", "number"])
+def test_a_number_saved_as_a_0d_tensor_or_back_takes_the_saved_form_in_optimizers_and_schedulers(mgr, saved_as):
+    """Adafactor (relative_step) and its AdafactorSchedule hold lr as a 0-d tensor once stepped, a fresh pair
+    holds floats: load_state_dict() takes the saved form, and so does restore (in modules a kind change is refused)."""
+    def build(lr):
+        model = Net(0)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        return model, opt, sched
+
+    lr = (lambda v: torch.tensor(v)) if saved_as == "tensor" else float
+    model, opt, sched = build(0.1)
+    _adam_stepped(model, opt)
+    sched.step()
+    opt.param_groups[0]["lr"] = lr(0.05)  # what Adafactor writes at each step
+    sched._last_lr = [lr(0.05)]
+    mgr.save(1, {"model": model, "optim": opt, "sched": sched}).wait()
+    other = (lambda v: v) if saved_as == "tensor" else torch.tensor
+    target, target_opt, target_sched = build(0.1)
+    target_opt.param_groups[0]["lr"], target_sched._last_lr = other(0.1), [other(0.1)]
+    assert mgr.restore({"model": target, "optim": target_opt, "sched": target_sched}) == 1
+    for got in (target_opt.param_groups[0]["lr"], target_sched._last_lr[0]):
+        assert type(got) is type(lr(0.05)) and got == lr(0.05)
+    for m, o in ((model, opt), (target, target_opt)):
+        _adam_stepped(m, o)
+    assert _same(model, target)
+    mgr.save(2, {"model": {"t": torch.tensor(3.0)}}).wait()  # a plain container keeps its kind check
+    with pytest.raises(CheckpointMismatchError, match="saved as a tensor, the target holds a float"):
+        mgr.restore({"model": {"t": 3.0}})

@@ -108,7 +108,8 @@ def make(out: Path, *, cls: type = ckpt_hf.CheckpointingTrainer, callbacks: list
 def final_state(trainer: Any) -> dict[str, Any]:
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     return {"model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-            "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+            "optim": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                      for i, s in opt.state_dict()["state"].items()},
             "sched": trainer.lr_scheduler.state_dict()}
 
 
@@ -119,7 +120,8 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["optim"].keys() == b["optim"].keys()
     for i in a["optim"]:
         for k in a["optim"][i]:
-            assert torch.equal(a["optim"][i][k], b["optim"][i][k]), (i, k)
+            x, y = a["optim"][i][k], b["optim"][i][k]
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else type(x) is type(y) and x == y), (i, k)
     assert a["sched"] == b["sched"]
 
 
@@ -232,6 +234,26 @@ def test_resuming_with_another_optimizer_says_how_to_start_from_the_weights(inte
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
                                                  checkpointing.load(out / "checkpointing", 8)["model"].values()))
     fresh.train()
+
+
+def test_adafactor_with_its_schedule_resumes_bit_exactly(tmp_path: Path) -> None:
+    """Adafactor (relative_step) and AdafactorSchedule hold lr as a 0-d tensor once stepped, a fresh pair floats."""
+    from transformers.optimization import Adafactor, AdafactorSchedule
+
+    def adafactor(out: Path, cls: type, callbacks: list | None = None) -> Any:
+        trainer = make(out, cls=cls, callbacks=callbacks)
+        opt = Adafactor(trainer.model.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+        trainer.optimizer, trainer.lr_scheduler = opt, AdafactorSchedule(opt)
+        return trainer
+
+    stock = adafactor(tmp_path / "stock", Trainer)
+    stock.train()
+    out = tmp_path / "out"
+    adafactor(out, ckpt_hf.CheckpointingTrainer, [StopAt(CRASH_AT)]).train()
+    resumed = adafactor(out, ckpt_hf.CheckpointingTrainer)
+    resumed.train(resume_from_checkpoint=True)
+    assert_same(final_state(resumed), final_state(stock))
+    assert isinstance(resumed.optimizer.param_groups[0]["lr"], torch.Tensor)
 
 
 @pytest.mark.parametrize("crash", ["commit marker lost", "step gone"])

@@ -88,6 +88,7 @@ class _Planner:
         self.target_keys: set[str] = set()  # the target's keys the walk met (exclude= may name one the step lacks)
         self.renamed_keys: set[str] = set()  # the target's names of saved keys it names otherwise (wrappers)
         self.replaced: set[tuple] = set()  # optimizers' state paths: replaced whole, as their load_state_dict() does
+        self.taken: set[tuple] = set()  # paths of objects other than modules: their load_state_dict() takes saved values as they are
 
     def problem(self, path: tuple, text: str) -> None:
         self.problems.append(f"{join_key(path) or '<root>'}: {text}")
@@ -99,6 +100,8 @@ class _Planner:
             return self.value(target, node[OPTIONAL], path)
         if target is not _MISSING and self._in_replaced(path) and not fits_in_place(target, node, self.manifest.tensors):
             target = _MISSING  # an optimizer's state is replaced whole: a value of another kind or size is not read in place
+        if target is not _MISSING and any(path[:len(p)] == p for p in self.taken) and self._number_swapped(target, node):
+            target = _MISSING  # a number saved as a 0-d tensor or back (Adafactor's lr): load_state_dict() takes the saved one
         if (self.relaid or path[:-3] in self.rekeyed) and _lists_group_params(path) and isinstance(target, list):
             return target  # which parameters a group holds is the new layout's (its own), not saved state
         if PER_RANK in node:
@@ -116,6 +119,13 @@ class _Planner:
             self.problem(path, f"saved as a plain value, the target holds a {type(target).__name__}")
             return target
         return self.leaf(node, path)
+
+    def _number_swapped(self, target: Any, node: dict) -> bool:
+        """A number (not a bool) where a 0-d tensor was saved, or a 0-d tensor where a number was."""
+        if "tensor" in node:
+            return type(target) in (int, float) and self.manifest.tensors[node["tensor"]].shape == ()
+        saved = node.get("value", 0.0 if "float" in node else None)
+        return type(saved) in (int, float) and isinstance(target, torch.Tensor) and target.dim() == 0
 
     def per_rank_text(self) -> str:
         saved = self.manifest.world_size
@@ -232,6 +242,8 @@ class _Planner:
             params = [p for group in target.param_groups for p in group["params"]]
             self.param_hints.update({path + ("state", i): p for i, p in enumerate(params)})
             self.replaced.add(path + ("state",))
+        if not isinstance(target, torch.nn.Module):
+            self.taken.add(path)
         sd = self.mapping(target.state_dict(), node["stateful"], path)
         if isinstance(target, torch.optim.Optimizer) and (self.select.only or self.select.exclude):
             for where, text in partial_state(sd.get("state"), node, self.rekeyed.get(path, {})):

@@ -123,7 +123,8 @@ class LocalStorage:
                         raise
                     if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
                         raise self._skip(rel) from None
-                    raise FileNotFoundError(errno.ENOENT, f"{self._abs(rel)}: not a directory") from None
+                    fix = "; a file of that name is in the way: move or rename it" if create else ""
+                    raise FileNotFoundError(errno.ENOENT, f"{self._abs(rel)}: not a directory{fix}") from None
             raise FileNotFoundError(errno.ENOENT, f"{self._abs(rel)}: removed while being created")
         finally:
             os.close(fd)
