@@ -307,3 +307,112 @@ def test_a_number_saved_as_a_0d_tensor_or_back_takes_the_saved_form_in_optimizer
     mgr.save(2, {"model": {"t": torch.tensor(3.0)}}).wait()  # a plain container keeps its kind check
     with pytest.raises(CheckpointMismatchError, match="saved as a tensor, the target holds a float"):
         mgr.restore({"model": {"t": 3.0}})
+
+
+def _stepped_adam(width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, width))
+    opt = torch.optim.Adam(model.parameters())
+    _adam_stepped_on(model, opt)
+    return model, opt
+
+
+def _adam_stepped_on(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def test_optimizer_state_that_does_not_fit_its_parameter_now_is_refused_before_anything_changes(mgr):
+    """A new head (2 -> 3 classes) left out of the model's restore, or groups listing the parameters in another
+    order: torch's load_state_dict() would take the state, and the next step() fail inside torch."""
+    model, opt = _stepped_adam(2)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    target, target_opt = _stepped_adam(3)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError) as info:
+        mgr.restore({"model": target, "optim": target_opt}, exclude="model/2.*")
+    text = str(info.value)
+    assert "optim/state/2/exp_avg: saved [2, 8], the parameter at position 2 of the optimizer's groups is [3, 8] now" in text
+    assert "exclude=['optim/state/2']" in text and "optim/state/3/exp_avg_sq" in text and "optim/state/0" not in text
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    assert mgr.restore({"model": target, "optim": target_opt}, exclude=["model/2.*", "optim/state/2", "optim/state/3"]) == 1
+    _adam_stepped_on(target, target_opt)  # as the error says: the step runs
+    reordered = torch.optim.Adam([model[2].weight, model[0].weight, model[0].bias, model[2].bias])
+    with pytest.raises(CheckpointMismatchError, match="or the groups list the parameters in another order"):
+        mgr.restore({"optim": reordered}, only="optim")
+
+
+def test_a_scheduler_of_another_torch_class_is_refused_before_the_model_is_read(mgr):
+    model = Net(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mgr.save(1, {"model": model, "optim": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 3)}).wait()
+    target = Net(1)
+    target_opt = torch.optim.SGD(target.parameters(), lr=0.5)
+    with pytest.raises(CheckpointMismatchError, match=r"sched: saved from a torch.optim.lr_scheduler.StepLR, the target is a "
+                                                      r"torch.optim.lr_scheduler.LambdaLR: .*exclude=\['sched'\]"):
+        mgr.restore({"model": target, "optim": target_opt, "sched": torch.optim.lr_scheduler.LambdaLR(target_opt, lambda s: 1.0)})
+    assert _same(target, Net(1)) and target_opt.param_groups[0]["lr"] == 0.5
+
+
+class _Versioned(nn.Module):
+    """Its version-1 state held log(scale); this code (version 2) converts such a state when it loads one."""
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+
+    def _load_from_state_dict(self, sd, prefix, local_metadata, *args):
+        if local_metadata.get("version") is None or local_metadata["version"] < 2:
+            sd[prefix + "scale"] = sd[prefix + "scale"].exp()
+        super()._load_from_state_dict(sd, prefix, local_metadata, *args)
+
+
+def test_a_module_that_converts_older_versions_of_its_state_is_told_the_steps_version(mgr):
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 4), _Versioned())
+    mgr.save(1, {"model": saved}).wait()
+    target = nn.Sequential(nn.Linear(4, 4), _Versioned())
+    mgr.restore({"model": target})
+    assert torch.equal(target[1].scale, saved[1].scale)  # not converted as if it were version 1
+
+
+class _Seen(nn.Module):
+    """Extra state (get_extra_state) holding a tensor that grows: a fresh instance holds int64[0]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.seen = torch.empty(0, dtype=torch.long)
+
+    def get_extra_state(self):
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state):
+        self.seen = state["seen"].clone()
+
+
+class _Buffer:
+    def __init__(self) -> None:
+        self.data = torch.empty(0, 4)
+
+    def state_dict(self):
+        return {"data": self.data}
+
+    def load_state_dict(self, sd):
+        self.data = sd["data"].clone()
+
+
+def test_extra_state_and_objects_whose_tensors_grow_restore_into_fresh_instances(mgr):
+    model, buf = _Seen(), _Buffer()
+    model.seen = torch.tensor([4, 7, 9])
+    buf.data = torch.randn(5, 4)
+    mgr.save(1, {"model": model, "buf": buf}).wait()
+    fresh_model, fresh_buf = _Seen(), _Buffer()
+    mgr.restore({"model": fresh_model, "buf": fresh_buf})
+    assert torch.equal(fresh_model.seen, model.seen) and torch.equal(fresh_buf.data, buf.data)
+    with pytest.raises(CheckpointMismatchError, match=r"model/lin.weight: saved float32\[2, 2\], target is float32\[3, 2\]"):
+        bigger = _Seen()
+        bigger.lin = nn.Linear(2, 3)
+        mgr.restore({"model": bigger})  # a module's own parameters keep their shape check

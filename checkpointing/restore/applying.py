@@ -5,6 +5,7 @@ objects, what it raises named by key (`load_into`), and values assigned into the
 
 from __future__ import annotations
 
+import collections
 from typing import Any, MutableMapping
 
 import torch
@@ -12,8 +13,13 @@ import torch
 from checkpointing.errors import CheckpointError
 
 
-def load_into(target: Any, sd: dict, key: str, strict: bool) -> None:
-    """target.load_state_dict(sd): what it raises, as a CheckpointError naming the key."""
+def load_into(target: Any, sd: dict, key: str, strict: bool, metadata: Any = None) -> None:
+    """target.load_state_dict(sd): what it raises, as a CheckpointError naming the key. A module's gets `metadata`, the
+    version of each submodule as its own state_dict() gives them (the step matched its keys): a module converting an
+    older version's state in its _load_from_state_dict() must not take a step of its current version for an older one."""
+    if metadata is not None and isinstance(target, torch.nn.Module):
+        sd = collections.OrderedDict(sd)
+        sd._metadata = metadata  # type: ignore[attr-defined]
     try:
         target.load_state_dict(sd, strict=strict) if isinstance(target, torch.nn.Module) else target.load_state_dict(sd)
     except Exception as exc:  # noqa: BLE001 - the user's object: say which, and what is applied

@@ -22,6 +22,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from checkpointing.format.dtypes import dtype_from_name
+from checkpointing.restore.saved_form import other_torch_class
+
+# torch's optimizers whose per-parameter state tensors (all but a 0-d step) have their parameter's shape
+_PARAM_SHAPED = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
+                                                    "Adadelta", "Rprop", "ASGD", "SparseAdam") if hasattr(torch.optim, n)}
 
 
 def key_map(target: Any, node: dict) -> dict[Any, Any] | None:
@@ -44,21 +49,40 @@ def key_map(target: Any, node: dict) -> dict[Any, Any] | None:
     return dict(zip(flat_saved, flat_target))
 
 
-def optimizer_problems(target: Any, node: dict, key: str) -> list[tuple[tuple, str]]:
+def optimizer_problems(target: Any, node: dict, key: str, tensors: Sequence[Any]) -> list[tuple[tuple, str]]:
     """(path below the optimizer, text) for each way the saved optimizer `node` does not fit the optimizer `target`."""
-    saved, cls = str(node.get("class", "")), f"{type(target).__module__}.{type(target).__qualname__}"
-    if saved != cls and saved.startswith("torch.optim.") and cls.startswith("torch.optim."):
-        return [((), f"saved from a {saved}, the target is a {cls}: its state and hyperparameters do not fit "
-                     f"(restore into the optimizer class it was saved from, or leave it out with exclude=[{key!r}])")]
+    if (text := other_torch_class(target, node, key)) is not None:
+        return [((), text)]
     groups = dict(node["stateful"].get("dict", ())).get("param_groups")
     mine = _saved_params(groups) if isinstance(groups, dict) else None
     sizes, have = [len(g) for g in mine or ()], [len(g["params"]) for g in target.param_groups]
     if mine is None or sizes == have:
-        return []
+        return _shape_problems(target, node, tensors, key) if mine is not None else []
     return [(("param_groups",), f"saved with {len(sizes)} parameter group(s) of {sizes} parameters, the target optimizer has "
                                 f"{len(have)} of {have}: build it over the same parameters in the same groups as when it was saved, "
                                 f"or leave it out with exclude=[{key!r}] (state that must follow another layout, other pipeline "
                                 "stages, is saved keyed by name: torch.distributed.checkpoint.state_dict.get_state_dict)")]
+
+
+def _shape_problems(target: torch.optim.Optimizer, node: dict, tensors: Sequence[Any], key: str) -> list[tuple[tuple, str]]:
+    """Saved state of a parameter, in an optimizer whose state has its parameter's shape, that does not fit the
+    parameter at its position now (the parameter changed shape, or the groups list the parameters in another order):
+    load_state_dict() would take it, and the next step() fail in torch."""
+    if type(target) not in _PARAM_SHAPED:
+        return []
+    params = [p for group in target.param_groups for p in group["params"]]
+    out = []
+    for pos, child in dict(node["stateful"].get("dict", ())).get("state", {}).get("dict", ()):
+        if not isinstance(pos, int) or not 0 <= pos < len(params) or not isinstance(child, dict):
+            continue
+        for name, leaf in child.get("dict", ()):
+            shape = tensors[leaf["tensor"]].shape if isinstance(leaf, dict) and "tensor" in leaf else ()
+            if shape != () and shape != tuple(params[pos].shape):
+                out.append((("state", pos, name), f"saved {list(shape)}, the parameter at position {pos} of the optimizer's groups is "
+                                                  f"{list(params[pos].shape)} now (it changed shape, or the groups list the parameters in "
+                                                  f"another order): leave its state out with exclude=['{key}/state/{pos}'], or build the "
+                                                  "optimizer over the parameters in the order it was saved with"))
+    return out
 
 
 def _saved_params(groups: dict) -> list[list[Any]] | None:

@@ -27,6 +27,7 @@ from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.applying import assign, load_into
 from checkpointing.restore.optim_keys import fits_in_place, key_map, optimizer_problems, partial_state
+from checkpointing.restore.saved_form import in_extra_state, other_torch_class, takes_saved_form
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import NameMatch, Selection, key_types, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
@@ -100,8 +101,8 @@ class _Planner:
             return self.value(target, node[OPTIONAL], path)
         if target is not _MISSING and self._in_replaced(path) and not fits_in_place(target, node, self.manifest.tensors):
             target = _MISSING  # an optimizer's state is replaced whole: a value of another kind or size is not read in place
-        if target is not _MISSING and any(path[:len(p)] == p for p in self.taken) and self._number_swapped(target, node):
-            target = _MISSING  # a number saved as a 0-d tensor or back (Adafactor's lr): load_state_dict() takes the saved one
+        if target is not _MISSING and self._taken(path) and takes_saved_form(target, node, self.manifest.tensors):
+            target = _MISSING  # a template its object's load_state_dict() replaces (saved_form.py)
         if (self.relaid or path[:-3] in self.rekeyed) and _lists_group_params(path) and isinstance(target, list):
             return target  # which parameters a group holds is the new layout's (its own), not saved state
         if PER_RANK in node:
@@ -119,13 +120,6 @@ class _Planner:
             self.problem(path, f"saved as a plain value, the target holds a {type(target).__name__}")
             return target
         return self.leaf(node, path)
-
-    def _number_swapped(self, target: Any, node: dict) -> bool:
-        """A number (not a bool) where a 0-d tensor was saved, or a 0-d tensor where a number was."""
-        if "tensor" in node:
-            return type(target) in (int, float) and self.manifest.tensors[node["tensor"]].shape == ()
-        saved = node.get("value", 0.0 if "float" in node else None)
-        return type(saved) in (int, float) and isinstance(target, torch.Tensor) and target.dim() == 0
 
     def per_rank_text(self) -> str:
         saved = self.manifest.world_size
@@ -236,19 +230,23 @@ class _Planner:
             self.problem(path, f"saved from a {node['class']} (state_dict), the target is a {type(target).__name__}")
             return target
         if isinstance(target, torch.optim.Optimizer):
-            for where, text in optimizer_problems(target, node, join_key(path)):  # before any tensor is read into the model beside it
+            for where, text in optimizer_problems(target, node, join_key(path), self.manifest.tensors):  # before any tensor is read into the model beside it
                 if self.select.wants(join_key(path + where)):
                     self.problem(path + where, text)
             params = [p for group in target.param_groups for p in group["params"]]
             self.param_hints.update({path + ("state", i): p for i, p in enumerate(params)})
             self.replaced.add(path + ("state",))
+        elif not isinstance(target, torch.nn.Module) and (text := other_torch_class(target, node, join_key(path))) is not None:
+            self.problem(path, text)
+            return target
         if not isinstance(target, torch.nn.Module):
             self.taken.add(path)
-        sd = self.mapping(target.state_dict(), node["stateful"], path)
+        own = target.state_dict()
+        sd = self.mapping(own, node["stateful"], path)
         if isinstance(target, torch.optim.Optimizer) and (self.select.only or self.select.exclude):
             for where, text in partial_state(sd.get("state"), node, self.rekeyed.get(path, {})):
                 self.problem(path + where, text)
-        self.loads.append(functools.partial(load_into, target, sd, join_key(path), self.strict))
+        self.loads.append(functools.partial(load_into, target, sd, join_key(path), self.strict, getattr(own, "_metadata", None)))
         return target
 
     def mapping(self, target: Any, node: dict, path: tuple, *, top: bool = False) -> Any:
@@ -295,6 +293,9 @@ class _Planner:
             self.problem(path, f"saved as a dict, the target holds a {type(target).__name__}")
             return target
         return {k: self.value(_MISSING, child, path + (k,)) for k, child in items if self._selected(child, path + (k,))}
+
+    def _taken(self, path: tuple) -> bool:
+        return any(path[:len(p)] == p for p in self.taken) or in_extra_state(path)
 
     def _in_replaced(self, path: tuple) -> bool:
         return any(path[:len(p)] == p for p in self.replaced)
