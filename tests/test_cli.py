@@ -261,3 +261,13 @@ def test_inspect_shows_each_ranks_values_and_which_rank_holds_each_tensor(tmp_pa
     assert [t["ranks"] for t in doc["tensors"] if t["key"] == "shared"] == [[0, 1]]
     code, out = run("inspect", str(d), "--max-values", "-1")
     assert code == 2 and "--max-values must be >= 0" in out, out
+
+
+def test_inspect_lists_values_under_their_escaped_keys_with_their_byte_sizes(tmp_path, run):
+    d = tmp_path / "ck"
+    with CheckpointManager(d) as mgr:
+        mgr.save(1, {"v": {"a/b": 1, "a": {"b": 2}, "x%2Fy": 3, "b2": b"\x00\xff", "b1": b"x", "b4": b"abcd", "b0": b""}}).wait()
+    code, out = run("inspect", str(d))
+    assert code == 0, out
+    for line in ("v/a%2Fb = 1", "v/a/b = 2", "v/x%252Fy = 3", "v/b2 = <2 bytes>", "v/b1 = <1 bytes>", "v/b4 = <4 bytes>", "v/b0 = <0 bytes>"):
+        assert line in out, (line, out)

@@ -416,3 +416,30 @@ def test_extra_state_and_objects_whose_tensors_grow_restore_into_fresh_instances
         bigger = _Seen()
         bigger.lin = nn.Linear(2, 3)
         mgr.restore({"model": bigger})  # a module's own parameters keep their shape check
+
+
+def test_an_expanded_target_is_named_before_anything_is_read(mgr):
+    mgr.save(1, {"a": torch.ones(4), "e": torch.arange(4.0).expand(3, 4)}).wait()
+    a = torch.zeros(4)
+    with pytest.raises(CheckpointMismatchError, match=r"e: the target is an expand\(\)ed view, whose elements share memory"):
+        mgr.restore({"a": a, "e": torch.zeros(4).expand(3, 4)})
+    assert torch.equal(a, torch.zeros(4))
+
+
+def test_only_and_exclude_select_items_of_lists(mgr):
+    mgr.save(1, {"bufs": [torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)], "sched": {"milestones": [10, 20]}}).wait()
+
+    def target():
+        return {"bufs": [torch.full((2,), -1.0) for _ in range(3)], "sched": {"milestones": [30, 40]}}
+
+    t = target()
+    mgr.restore(t, exclude=["bufs/1", "sched/milestones/0"])
+    assert [b.tolist() for b in t["bufs"]] == [[0.0, 0.0], [-1.0, -1.0], [2.0, 2.0]] and t["sched"]["milestones"] == [30, 20]
+    t = target()
+    mgr.restore(t, only="bufs/0")
+    assert [b.tolist() for b in t["bufs"]] == [[0.0, 0.0], [-1.0, -1.0], [-1.0, -1.0]] and t["sched"]["milestones"] == [30, 40]
+    got = checkpointing.load(mgr.directory, keys="bufs/1")["bufs"]
+    assert got[0] is None and got[2] is None and torch.equal(got[1], torch.ones(2))
+    with pytest.raises(CheckpointMismatchError, match=r"sched/milestones/0: outside the selection, in a list saved with 2 items and a "
+                                                      r"target of 3: select the whole list or none of it"):
+        mgr.restore({"sched": {"milestones": [30, 40, 50]}}, exclude=["bufs", "sched/milestones/0"])

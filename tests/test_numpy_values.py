@@ -30,3 +30,25 @@ def test_a_numpy_dtype_torch_lacks_is_refused_naming_the_key(tmp_path, dtype):
     with CheckpointManager(tmp_path / "ck") as mgr:
         with pytest.raises(StateError, match=r"state\['opt/ema'\] is a numpy array of dtype .*astype"):
             mgr.save(1, {"opt": {"ema": np.arange(3, dtype=dtype)}})
+
+
+@pytest.mark.parametrize("target, why", [
+    (np.zeros(4)[::-1], r"a reversed view: torch cannot write through negative strides; pass np.ascontiguousarray\(a\)"),
+    (np.zeros(4, dtype=">f8"), r"not in native byte order"),
+    (np.frombuffer(bytes(32), dtype=np.float64), r"read-only: pass a writable array"),
+], ids=["reversed", "big-endian", "read-only"])
+def test_a_numpy_target_restore_cannot_write_into_is_named_before_anything_is_read(tmp_path, target, why):
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"w": np.arange(4.0), "a": np.arange(4.0)}).wait()
+        before = np.full(4, -1.0)
+        with pytest.raises(checkpointing.CheckpointMismatchError, match=r"a: saved float64\[4\], target is numpy .*" + why):
+            mgr.restore({"w": before, "a": target})
+        assert np.array_equal(before, np.full(4, -1.0))
+
+
+@pytest.mark.parametrize("value", [np.ma.masked_invalid([0.5, np.nan, 0.25]), np.matrix([[1.0, 2.0]])], ids=["masked", "matrix"])
+def test_a_numpy_subclass_is_refused_at_save_not_saved_without_its_own_data(tmp_path, value):
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        with pytest.raises(StateError, match=r"state\['m'\] is a numpy\..*subclass of numpy.ndarray whose own data would be lost"):
+            mgr.save(1, {"m": value})
+        mgr.save(2, {"m": np.asarray(value)}).wait()  # as the error says

@@ -544,3 +544,18 @@ def test_codecs_that_are_not_a_list_of_codec_objects_are_refused_with_an_example
     with pytest.raises(CheckpointConfigError, match=said):
         CheckpointManager(tmp_path / "ck", codecs=bad)
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").glob("step-*"))
+
+
+def test_a_container_that_holds_itself_or_nests_too_deep_is_refused_by_key():
+    looped: dict = {"lr": 0.1}
+    looped["self"] = looped
+    listed: list = [1]
+    listed.append(listed)
+    deep: list = []
+    node = deep
+    for _ in range(3000):
+        node.append([])
+        node = node[0]
+    for value in (looped, listed, deep):
+        with pytest.raises(StateError, match=r"state\['cfg/.*'\.\.\.\] nests deeper than 64 levels \(does a dict or list hold itself\?\)"):
+            flatten_state({"cfg": value})

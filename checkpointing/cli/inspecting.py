@@ -20,6 +20,7 @@ from checkpointing.cli import fmt, tables
 from checkpointing.cli.targets import committed_step, open_target
 from checkpointing.errors import CheckpointError
 from checkpointing.format.manifest import Manifest
+from checkpointing.state.tree import join_key
 from checkpointing.storage import Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.identity import tier_id_of
@@ -136,7 +137,7 @@ def _files_state(storage: Storage, manifest: Manifest, console: Console) -> int:
 def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
     """The tree's plain values as (key path, short text), in tree order."""
     out: list[tuple[str, str]] = []
-    key = "/".join(map(str, path))
+    key = join_key(path)
     if "dict" in node:
         for k, child in node["dict"]:
             out += _values(child, path + (k,))
@@ -150,7 +151,7 @@ def _values(node: dict, path: tuple) -> list[tuple[str, str]]:
     elif "float" in node:
         out.append((key, node["float"]))
     elif "bytes" in node:
-        out.append((key, f"<{len(node['bytes']) * 3 // 4} bytes>"))
+        out.append((key, f"<{len(node['bytes']) * 3 // 4 - node['bytes'][-2:].count('=')} bytes>"))
     elif "codec" in node:
         out.append((key, f"<codec {node['codec']}>"))
     return out

@@ -27,34 +27,14 @@ from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.applying import assign, load_into
 from checkpointing.restore.optim_keys import fits_in_place, key_map, optimizer_problems, partial_state
-from checkpointing.restore.saved_form import in_extra_state, other_torch_class, takes_saved_form
+from checkpointing.restore.saved_form import in_extra_state, numpy_target, other_torch_class, shared_elements, takes_saved_form
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import NameMatch, Selection, key_types, tree_keys, unmatched
-from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, merge_trees, overlay
+from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, children, has_tensors, merge_trees, overlay
 from checkpointing.state.sharding import dtensor_layout, is_dtensor
 from checkpointing.state.tree import is_stateful, join_key
 
 _MISSING = object()
-
-
-def _has_tensors(node: Any) -> bool:
-    if not isinstance(node, dict):
-        return False
-    if "tensor" in node or "ndarray" in node:
-        return True
-    return any(_has_tensors(v) for v in _children(node))
-
-
-def _children(node: dict) -> list:
-    if "dict" in node:
-        return [v for _, v in node["dict"]]
-    if "list" in node or "tuple" in node:
-        return node.get("list", node.get("tuple"))
-    if "stateful" in node:
-        return [node["stateful"]]
-    if OPTIONAL in node:
-        return [node[OPTIONAL]]
-    return []
 
 
 def _lists_group_params(path: tuple) -> bool:
@@ -170,9 +150,9 @@ class _Planner:
         as_numpy = "ndarray" in node
         full = ((0,) * len(entry.shape), entry.shape)
         if isinstance(target, np.ndarray):
-            dest = torch.from_numpy(target) if target.flags.writeable and target.dtype.kind in "biufc" else None
+            dest, why = numpy_target(target)
             if dest is None or tuple(target.shape) != entry.shape or dest.dtype != dtype:
-                self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is numpy {target.dtype}{list(target.shape)}")
+                self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is numpy {target.dtype}{list(target.shape)}{why}")
                 return target
             self.reads.append(ReadBox(entry, dest, *full))
             return target
@@ -184,6 +164,9 @@ class _Planner:
                 return target
             if tuple(target.shape) != entry.shape or target.dtype != dtype:
                 self.problem(path, f"saved {entry.dtype}{list(entry.shape)}, target is {str(target.dtype)[6:]}{list(target.shape)}")
+                return target
+            if (why := shared_elements(target)) is not None:
+                self.problem(path, why)
                 return target
             self.read_into(entry, target, path)
             return target
@@ -278,7 +261,7 @@ class _Planner:
                     if k in target:
                         out[k] = target[k]  # outside the selection: the target keeps its value
                     continue
-                if not wildcard and k not in target and (top or _has_tensors(child)):
+                if not wildcard and k not in target and (top or has_tensors(child)):
                     if OPTIONAL in child:  # another rank's key (a pipeline stage's module): not this target's
                         self.new_layout |= not child.get(BORROWED)
                         continue
@@ -302,17 +285,26 @@ class _Planner:
 
     def _selected(self, node: dict, path: tuple, *aliases: str) -> bool:
         key = join_key(path)
-        return self.select.reaches(key, *aliases) if _children(node) else self.select.wants(key, *aliases)
+        return self.select.reaches(key, *aliases) if children(node) else self.select.wants(key, *aliases)
 
     def sequence(self, target: Any, node: dict, path: tuple) -> Any:
         items = node.get("list", node.get("tuple"))
         kind = tuple if "tuple" in node else list
         same = isinstance(target, (list, tuple)) and len(target) == len(items)
-        kept = not same and target and (_has_tensors(node) or _target_has_tensors(target)) and not self._in_replaced(path)
+        kept = not same and target and (has_tensors(node) or _target_has_tensors(target)) and not self._in_replaced(path)
         if isinstance(target, (list, tuple)) and kept:
             self.problem(path, f"saved {len(items)} items, the target has {len(target)}")
             return target
-        return kind(self.value(target[i] if same else _MISSING, child, path + (i,)) for i, child in enumerate(items))
+        out = []
+        for i, child in enumerate(items):
+            if self._selected(child, path + (i,)):
+                out.append(self.value(target[i] if same else _MISSING, child, path + (i,)))
+            elif same or target is _MISSING:  # outside the selection: the target keeps its item (load(): None holds the place)
+                out.append(target[i] if same else None)
+            else:
+                self.problem(path + (i,), f"outside the selection, in a list saved with {len(items)} items and a target of "
+                                          f"{len(target) if isinstance(target, (list, tuple)) else 'another kind'}: select the whole list or none of it")
+        return kind(out)
 
 
 @dataclasses.dataclass

@@ -12,7 +12,8 @@ A module's `_extra_state` is such a value too (its `set_extra_state()` takes the
 parameters and buffers keep their check: another shape there is a changed model.
 
 What such an object would refuse only once the model beside it was read (`other_torch_class`): a torch
-class saved, another torch class now (StepLR into LambdaLR, Adam into SGD).
+class saved, another torch class now (StepLR into LambdaLR, Adam into SGD). And targets no step can be
+read into in place (`numpy_target`, `shared_elements`), named before anything is read.
 """
 
 from __future__ import annotations
@@ -59,3 +60,27 @@ def other_torch_class(target: Any, node: dict, key: str) -> str | None:
         return None
     return (f"saved from a {saved}, the target is a {cls}: its state does not fit (restore into the class it was saved "
             f"from, or leave it out with exclude=[{key!r}])")
+
+
+def numpy_target(a: np.ndarray) -> tuple[torch.Tensor | None, str]:
+    """A tensor writing into the numpy array `a` in place, else None and why not (a clause for an error)."""
+    if not a.flags.writeable:
+        return None, " (read-only: pass a writable array, e.g. a.copy())"
+    if a.dtype.kind not in "biufc":
+        return None, " (not numeric)"
+    if not a.dtype.isnative:
+        return None, " (not in native byte order: pass a.astype(a.dtype.newbyteorder('=')))"
+    if any(stride < 0 for stride in a.strides):
+        return None, " (a reversed view: torch cannot write through negative strides; pass np.ascontiguousarray(a))"
+    try:
+        return torch.from_numpy(a), ""
+    except (ValueError, TypeError) as exc:  # a dtype torch lacks
+        return None, f" (torch cannot write into it: {str(exc).splitlines()[0][:160]})"
+
+
+def shared_elements(t: torch.Tensor) -> str | None:
+    """Why the tensor `t` cannot take a step's values in place: elements sharing memory (an expand()ed view)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if any(stride == 0 and size > 1 for size, stride in zip(local.shape, local.stride())):
+        return "the target is an expand()ed view, whose elements share memory: pass a tensor of its own (t.clone())"
+    return None

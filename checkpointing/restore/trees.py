@@ -70,3 +70,25 @@ def overlay(own: Any, union: Any) -> Any:
         if kind in own and kind in union and len(own[kind]) == len(union[kind]):
             return {kind: [overlay(a, b) for a, b in zip(own[kind], union[kind])]}
     return own
+
+
+def has_tensors(node: Any) -> bool:
+    """A saved tree node holds a tensor or an array somewhere."""
+    if not isinstance(node, dict):
+        return False
+    if "tensor" in node or "ndarray" in node:
+        return True
+    return any(has_tensors(v) for v in children(node))
+
+
+def children(node: dict) -> list:
+    """A saved tree node's child nodes."""
+    if "dict" in node:
+        return [v for _, v in node["dict"]]
+    if "list" in node or "tuple" in node:
+        return node.get("list", node.get("tuple"))
+    if "stateful" in node:
+        return [node["stateful"]]
+    if OPTIONAL in node:
+        return [node[OPTIONAL]]
+    return []

@@ -24,7 +24,7 @@ import torch
 
 from checkpointing.state.codecs import Codec, find_codec
 from checkpointing.errors import ManifestError, StateError
-from checkpointing.format.decode import check_tree
+from checkpointing.format.decode import MAX_TREE_DEPTH, check_tree
 from checkpointing.format.dtypes import NAME_OF
 from checkpointing.state.sharding import ShardLayout, dtensor_layout, is_dtensor, local_tensor
 
@@ -149,7 +149,12 @@ class _Walker:
         if isinstance(obj, torch.Tensor):
             return {"tensor": self.add_tensor(obj, path, deferred)}
         if isinstance(obj, np.ndarray):
+            if type(obj) is not np.ndarray and (codec := find_codec(self.codecs, obj)) is not None:
+                return self.visit_codec(codec, obj, path)
             return {"ndarray": self.add_ndarray(obj, path)}
+        if len(path) > MAX_TREE_DEPTH:
+            raise StateError(f"state[{join_key(path[:4])!r}...] nests deeper than {MAX_TREE_DEPTH} levels (does a dict or list hold "
+                             "itself?): flatten that part of the state or encode it with a codec")
         if type(obj) not in _PLAIN and isinstance(obj, (int, str, float, Mapping, list, tuple)):  # a subclass (IntEnum, OrderedDict):
             codec = find_codec(self.codecs, obj)  # its codec, or its own state_dict(), before its base type
             if codec is not None:
@@ -268,6 +273,9 @@ class _Walker:
         return len(self.leaves) - 1
 
     def add_ndarray(self, a: np.ndarray, path: tuple) -> int:
+        if type(a) is not np.ndarray:  # its own data (a mask, a matrix's shape rules) would be lost in silence
+            raise StateError(f"state[{join_key(path)!r}] is a {class_name(a)}, a subclass of numpy.ndarray whose own data would be "
+                             "lost: save its parts as arrays (a masked array's a.data and a.mask) or np.asarray(a), or register a codec")
         if a.dtype.kind not in NUMPY_KINDS or a.dtype.byteorder == ">":
             raise StateError(f"state[{join_key(path)!r}] is a numpy array of dtype {a.dtype}: only native numeric/bool arrays can be checkpointed")
         try:  # ascontiguousarray() would make a 0-d array 1-d: only a strided one is copied
