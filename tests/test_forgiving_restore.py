@@ -443,3 +443,35 @@ def test_only_and_exclude_select_items_of_lists(mgr):
     with pytest.raises(CheckpointMismatchError, match=r"sched/milestones/0: outside the selection, in a list saved with 2 items and a "
                                                       r"target of 3: select the whole list or none of it"):
         mgr.restore({"sched": {"milestones": [30, 40, 50]}}, exclude=["bufs", "sched/milestones/0"])
+
+
+class _Renamed(nn.Module):
+    """`lin` renamed `proj`, with the usual load_state_dict pre-hook that keeps old checkpoints loading."""
+
+    def __init__(self, split: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        self.register_load_state_dict_pre_hook(self._split if split else self._rename)
+
+    @staticmethod
+    def _rename(module, sd, prefix, *args):
+        for k in [k for k in sd if k.startswith(prefix + "lin.")]:
+            sd[prefix + "proj." + k[len(prefix) + 4:]] = sd.pop(k)
+
+    @staticmethod
+    def _split(module, sd, prefix, *args):  # makes new values: no renaming restore can follow
+        for k in [k for k in sd if k.startswith(prefix + "lin.")]:
+            sd[prefix + "proj." + k[len(prefix) + 4:]] = sd.pop(k) * 1
+
+
+def test_a_modules_back_compat_renames_in_its_load_state_dict_pre_hooks_are_followed(mgr):
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Module(), nn.Module())
+    old[1].lin = nn.Linear(2, 2)
+    mgr.save(1, {"model": old}).wait()
+    for strict in (True, False):
+        new = nn.Sequential(nn.Module(), _Renamed())
+        assert mgr.restore({"model": new}, strict=strict) == 1
+        assert torch.equal(new[1].proj.weight, old[1].lin.weight) and torch.equal(new[1].proj.bias, old[1].lin.bias)
+    with pytest.raises(CheckpointMismatchError, match=r"model/1.proj.weight: missing from the checkpoint"):
+        mgr.restore({"model": nn.Sequential(nn.Module(), _Renamed(split=True))})

@@ -26,6 +26,7 @@ from checkpointing.format.dtypes import dtype_from_name
 from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.applying import assign, load_into
+from checkpointing.restore.hooked_names import has_pre_hooks, hooked_names
 from checkpointing.restore.optim_keys import fits_in_place, key_map, optimizer_problems, partial_state
 from checkpointing.restore.saved_form import in_extra_state, numpy_target, other_torch_class, shared_elements, takes_saved_form
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
@@ -224,8 +225,11 @@ class _Planner:
             return target
         if not isinstance(target, torch.nn.Module):
             self.taken.add(path)
-        own = target.state_dict()
-        sd = self.mapping(own, node["stateful"], path)
+        own, saved = target.state_dict(), node["stateful"]
+        if isinstance(target, torch.nn.Module) and has_pre_hooks(target) and {k for k, _ in saved["dict"]} != set(own):
+            renamed = hooked_names(target, saved["dict"], own, self.manifest.tensors)  # its back-compat renames
+            saved = {**saved, "dict": [[renamed.get(k, k), child] for k, child in saved["dict"]]} if renamed else saved
+        sd = self.mapping(own, saved, path)
         if isinstance(target, torch.optim.Optimizer) and (self.select.only or self.select.exclude):
             for where, text in partial_state(sd.get("state"), node, self.rekeyed.get(path, {})):
                 self.problem(path + where, text)
