@@ -475,3 +475,11 @@ def test_a_modules_back_compat_renames_in_its_load_state_dict_pre_hooks_are_foll
         assert torch.equal(new[1].proj.weight, old[1].lin.weight) and torch.equal(new[1].proj.bias, old[1].lin.bias)
     with pytest.raises(CheckpointMismatchError, match=r"model/1.proj.weight: missing from the checkpoint"):
         mgr.restore({"model": nn.Sequential(nn.Module(), _Renamed(split=True))})
+
+
+def test_a_step_that_is_not_committed_is_named_with_the_steps_that_are(mgr):
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.ones(2)}).wait()
+    with pytest.raises(checkpointing.CheckpointNotFoundError, match=r"step 5 cannot be restored: step 5 is not committed in its local "
+                                                                   r"tier .* \(committed: 1, 2\)$"):
+        mgr.restore({"w": torch.zeros(2)}, step=5)

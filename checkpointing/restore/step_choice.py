@@ -118,7 +118,9 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
     damaged: list[int] = []
     for s in candidates:
         if s not in committed:
-            found.notes.append(f"step {s} is not committed in {where}")
+            newest = sorted(committed)[-10:]
+            listed = f" (committed: {', '.join(map(str, newest))}{' and older' if len(committed) > 10 else ''})" if committed else ""
+            found.notes.append(f"step {s} is not committed in {where}{listed}")
             continue
         copies = {t: r for t, r in tiers.replicas.items() if s in replica_steps[t]}  # peer copies holding step s
         try:
