@@ -483,3 +483,30 @@ def test_a_step_that_is_not_committed_is_named_with_the_steps_that_are(mgr):
     with pytest.raises(checkpointing.CheckpointNotFoundError, match=r"step 5 cannot be restored: step 5 is not committed in its local "
                                                                    r"tier .* \(committed: 1, 2\)$"):
         mgr.restore({"w": torch.zeros(2)}, step=5)
+
+
+class _Lion(torch.optim.Optimizer):
+    """A user's own optimizer: its state has no `step`, which torch's Adam-family load_state_dict() needs."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 1e-3})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state.setdefault("exp_avg", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                p.add_(state["exp_avg"].sign(), alpha=-group["lr"])
+
+
+def test_a_users_optimizer_state_a_torch_optimizer_cannot_load_is_refused_before_the_model_is_read(mgr):
+    model = Net(0)
+    opt = _Lion(model.parameters())
+    _adam_stepped(model, opt)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    target = Net(1)
+    with pytest.raises(CheckpointMismatchError, match=r"optim: saved from a .*_Lion, which the target AdamW cannot load \(its "
+                                                      r"load_state_dict\(\) raises KeyError: 'step'\).*exclude=\['optim'\]"):
+        mgr.restore({"model": target, "optim": torch.optim.AdamW(target.parameters())})
+    assert _same(target, Net(1))

@@ -17,6 +17,7 @@ does: entries the step lacks are dropped, lists of another length (LBFGS's histo
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from checkpointing.restore.saved_form import other_torch_class
 # torch's optimizers whose per-parameter state tensors (all but a 0-d step) have their parameter's shape
 _PARAM_SHAPED = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
                                                     "Adadelta", "Rprop", "ASGD", "SparseAdam") if hasattr(torch.optim, n)}
+_TORCH_OPTIMIZERS = _PARAM_SHAPED | {getattr(torch.optim, n) for n in ("LBFGS", "Adafactor", "Muon") if hasattr(torch.optim, n)}
 
 
 def key_map(target: Any, node: dict) -> dict[Any, Any] | None:
@@ -62,6 +64,20 @@ def optimizer_problems(target: Any, node: dict, key: str, tensors: Sequence[Any]
                                 f"{len(have)} of {have}: build it over the same parameters in the same groups as when it was saved, "
                                 f"or leave it out with exclude=[{key!r}] (state that must follow another layout, other pipeline "
                                 "stages, is saved keyed by name: torch.distributed.checkpoint.state_dict.get_state_dict)")]
+
+
+def load_problem(target: Any, sd: Mapping[str, Any], node: dict, key: str) -> str | None:
+    """What `target.load_state_dict(sd)` raises, found on a copy of a torch optimizer (the target keeps its state): a state
+    saved from an optimizer of the user's own (Lion) that a torch optimizer cannot take, named before the model is read."""
+    if type(target) not in _TORCH_OPTIMIZERS:
+        return None  # a subclass may load collectively, or keep more than Optimizer.__getstate__ copies
+    try:
+        copy.copy(target).load_state_dict(sd)
+    except Exception as exc:  # noqa: BLE001 - torch's own load_state_dict on a copy: any failure is the one to report
+        return (f"saved from a {node.get('class')}, which the target {type(target).__name__} cannot load (its load_state_dict() "
+                f"raises {type(exc).__name__}: {str(exc)[:200]}): restore into the optimizer class it was saved from, or leave it "
+                f"out with exclude=[{key!r}]")
+    return None
 
 
 def _shape_problems(target: torch.optim.Optimizer, node: dict, tensors: Sequence[Any], key: str) -> list[tuple[tuple, str]]:

@@ -27,7 +27,7 @@ from checkpointing.errors import CheckpointMismatchError, StateError
 from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.applying import assign, load_into
 from checkpointing.restore.hooked_names import has_pre_hooks, hooked_names
-from checkpointing.restore.optim_keys import fits_in_place, key_map, optimizer_problems, partial_state
+from checkpointing.restore.optim_keys import fits_in_place, key_map, load_problem, optimizer_problems, partial_state
 from checkpointing.restore.saved_form import in_extra_state, numpy_target, other_torch_class, shared_elements, takes_saved_form
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import NameMatch, Selection, key_types, tree_keys, unmatched
@@ -229,10 +229,13 @@ class _Planner:
         if isinstance(target, torch.nn.Module) and has_pre_hooks(target) and {k for k, _ in saved["dict"]} != set(own):
             renamed = hooked_names(target, saved["dict"], own, self.manifest.tensors)  # its back-compat renames
             saved = {**saved, "dict": [[renamed.get(k, k), child] for k, child in saved["dict"]]} if renamed else saved
+        before = len(self.problems)
         sd = self.mapping(own, saved, path)
         if isinstance(target, torch.optim.Optimizer) and (self.select.only or self.select.exclude):
             for where, text in partial_state(sd.get("state"), node, self.rekeyed.get(path, {})):
                 self.problem(path + where, text)
+        if isinstance(target, torch.optim.Optimizer) and len(self.problems) == before and (text := load_problem(target, sd, node, join_key(path))):
+            self.problem(path, text)
         self.loads.append(functools.partial(load_into, target, sd, join_key(path), self.strict, getattr(own, "_metadata", None)))
         return target
 
