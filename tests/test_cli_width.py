@@ -294,3 +294,14 @@ def test_fit_drops_the_least_needed_column_first_and_names_it():
     text = console.export_text()
     assert "--wide adds: b MB, c" in " ".join(text.split()) and "…" not in text
     assert table_columns(text, "msg") == {"step": ["1"], "a ms": ["12.5"], "msg": ["a message of some length"]}
+
+
+def test_keys_the_terminals_encoding_lacks_are_shown_escaped(tmp_path):
+    d = tmp_path / "ck"
+    with CheckpointManager(d) as mgr:
+        mgr.save(1, {"模型": torch.ones(2), "v": {"ключ": 1}}).wait()
+    env = {**child_env(), "PYTHONIOENCODING": "latin-1"}
+    r = subprocess.run([sys.executable, "-m", "checkpointing", "inspect", str(d)], env=env, capture_output=True, text=True,
+                       encoding="latin-1", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "\\u6a21\\u578b" in r.stdout and "v/\\u043a\\u043b\\u044e\\u0447 = 1" in r.stdout, r.stdout

@@ -99,6 +99,14 @@ def test_sharded_export_has_a_complete_index_and_bounded_files(tmp_path):
         assert all(index["weight_map"][k] == name for k in part)
         merged.update(part)
     assert all(_same(merged[k], v) for k, v in state.items())
+    for name in [*shards, "model.safetensors.index.json"]:  # as the umask says, as the torch export and the checkpoint itself
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~_umask(), name
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def test_dtype_casts_only_floating_tensors_in_both_formats(tmp_path):

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command: its exit code; a failure is printed as one error line on stderr."""
     args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):  # a key the terminal's encoding lacks is shown escaped, not a failed command
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     if os.environ.get("CHECKPOINTING_DEBUG"):
         return args.func(args, Console())
     try:

@@ -102,6 +102,7 @@ def _write_all(out_dir: Path, layout: dict[str, list[Named]], index: dict[str, A
         for name, group in layout.items():
             tmp = out_dir / f".{name}.{token}.tmp"
             write(group, tmp)
+            os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600; a model is read by the account that serves it
             written.append((tmp, out_dir / name))
         if index is not None:
             tmp = out_dir / f".{INDEX}.{token}.tmp"
@@ -118,6 +119,20 @@ def _write_all(out_dir: Path, layout: dict[str, list[Named]], index: dict[str, A
     for path in stale:  # only with force: _check_out refused a directory holding an export otherwise
         path.unlink(missing_ok=True)
     return [final for _, final in written]
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where the kernel says it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def plan_files(sizes: list[int], limit: int) -> list[list[int]]:
