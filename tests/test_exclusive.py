@@ -375,3 +375,27 @@ def test_new_step_directory_is_made_durable_in_the_root(tmp_path, monkeypatch):
     # the root was fsynced with the new step directory in it, before its first file had its final name
     assert seen and seen[0][1] == [naming.step_dir(7)]
     assert os.listdir(d / naming.step_dir(7)) == ["x"]
+
+
+def test_a_users_files_inside_step_directories_and_spares_are_left_alone(tmp_path, run_cli):
+    """gc and a writer's tidying delete only names this library gives files; `ls` calls data no step uses incomplete."""
+    d = tmp_path / "ck"
+    with CheckpointManager(d, keep_local=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.arange(1000.0) + step}).wait()
+    (d / naming.step_dir(1)).mkdir(exist_ok=True)
+    (d / naming.step_dir(1) / "notes.txt").write_text("mine\n")
+    (d / naming.step_dir(2) / "notes.txt").write_text("mine too\n")
+    (d / naming.SPARES_DIR).mkdir(exist_ok=True)
+    (d / naming.SPARES_DIR / "notes.txt").write_text("and mine\n")
+    (d / naming.step_dir(7)).mkdir()
+    (d / naming.step_dir(7) / "r00000.0123456789ab.pack").write_bytes(b"x" * 100)  # an interrupted save's data
+    code, out = run_cli("ls", str(d), "--json")
+    assert code == 0 and {r["step"]: r["state"] for r in json.loads(out)} == {1: "incomplete", 2: "committed", 7: "incomplete"}, out
+    code, out = run_cli("gc", str(d), "--min-age-s", "0", "--pin-ttl-s", "0")
+    assert code == 0 and "notes.txt" not in out and "step-0000000007/r00000.0123456789ab.pack" in out, out
+    with CheckpointManager(d, keep_local=1) as mgr:
+        mgr.save(3, {"w": torch.zeros(3)}).wait()
+    for sub in (naming.step_dir(1), naming.step_dir(2), naming.SPARES_DIR):
+        assert (d / sub / "notes.txt").exists(), sub
+    assert not (d / naming.step_dir(7)).exists()

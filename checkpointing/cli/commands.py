@@ -92,6 +92,10 @@ def _step_rows(storage: Storage, listing: catalog.StepListing, tiers: dict[int, 
         elif step in listing.incomplete:
             row["state"] = _incomplete_state(storage.list(naming.step_dir(step)))
         rows.append(row)
+    used = {f.path.split("/", 1)[0] for m in manifests.values() for f in m.files}
+    for row in rows:  # data files no committed step uses are an interrupted save's, not a retired step's
+        if row["state"] == "retired" and naming.step_dir(row["step"]) not in used:
+            row["state"] = "incomplete"
     for step, u in step_usage(manifests, here).items():
         row = next(r for r in rows if r["step"] == step)
         row.update(stored=u.referenced, new=u.new, unique=u.unique, shared=u.shared)

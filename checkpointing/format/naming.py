@@ -25,6 +25,7 @@ SPARES_DIR = "spares"  # local tier only: retired pack files the next saves writ
 _STEP_DIR = re.compile(r"^step-(\d{10})$")
 _PACK = re.compile(r"^r\d{5}\.[0-9a-f]+\.pack$")
 _SPARE = re.compile(r"^[0-9a-f]+\.pack$")
+_IN_STEP = re.compile(r"^(?:r\d{5}\.[\w-]+\.pack|manifest\.[\w-]+\.json|COMMIT|PIN\.r\d{5}\.[\w-]+\.json)(?:\.tmp-[\w-]+)?$", re.ASCII)
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
@@ -77,6 +78,12 @@ def is_pack(name: str) -> bool:
 def spare_file(token: str) -> str:
     """A spare pack file's name inside SPARES_DIR."""
     return f"{token}.pack"
+
+
+def written_in_step(name: str) -> bool:
+    """Whether a name in a step directory is one this library gives a file there (a pack, the manifest, COMMIT, a pin, or
+    one of those under its temporary name): a collector deletes no other (a user's note left in a step directory)."""
+    return _IN_STEP.fullmatch(name) is not None
 
 
 def is_spare(name: str) -> bool:

@@ -207,7 +207,7 @@ class _Sweep:
         sdir = naming.step_dir(step)
         kept = 0
         ordered = sorted(names, key=lambda n: (not n.startswith("manifest."), not n.startswith(PIN_PREFIX), n))
-        for n in ordered:
+        for n in [n for n in ordered if naming.written_in_step(n)]:  # another name is a user's: it stays, and so does the directory
             path = f"{sdir}/{n}"
             if path in self.live or self.ages.young(path):
                 kept += path in self.live
@@ -229,7 +229,7 @@ class _Sweep:
         """The spare pack files (LocalStorage.keep_spare): nothing references them; a writer about to
         take one finds it gone and writes a new file."""
         names = self.storage.list(naming.SPARES_DIR)
-        for n in names:
+        for n in [n for n in names if naming.is_spare(n)]:  # another name is a user's file: it stays
             path = f"{naming.SPARES_DIR}/{n}"
             if not self.ages.young(path):
                 self.drop(path, "spare pack file (kept for the next save to write over)")
@@ -239,7 +239,7 @@ class _Sweep:
     def committed_step(self, step: int, own: set[str]) -> None:
         """Files in a committed step's directory that neither it nor any live pin or manifest names."""
         sdir = naming.step_dir(step)
-        for n in self.storage.list(sdir):
+        for n in [n for n in self.storage.list(sdir) if naming.written_in_step(n)]:
             path = f"{sdir}/{n}"
             if n.startswith(PIN_PREFIX) and not self.ages.dead(path):
                 continue  # its writer committed and is about to remove it
