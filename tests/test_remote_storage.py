@@ -492,3 +492,53 @@ def test_sizes_ask_for_what_a_lagging_listing_leaves_out(tmp_path):
     got = sizes.listed_or_one_by_one(storage, [f"d/f{r}" for r in range(6)] + ["d/gone"], lagging)
     assert got == {**{f"d/f{r}": r for r in range(6)}, "d/gone": None}
     assert listings == ["d"]
+
+
+@pytest.fixture
+def silent_endpoint():
+    """An HTTP endpoint on 127.0.0.1 that takes every byte sent to it and never answers."""
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    conns: list = []
+
+    def drain(conn) -> None:
+        while conn.recv(1 << 16):
+            pass
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            threading.Thread(target=drain, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()
+    for conn in conns:
+        conn.close()
+
+
+def test_a_store_that_takes_the_bytes_and_never_answers_costs_the_retry_budget_not_the_job(silent_endpoint):
+    storage = FsspecStorage("s3://bucket/run", {"endpoint_url": silent_endpoint, "key": KEY, "secret": SECRET,
+                                                "client_kwargs": {"region_name": "us-east-1"}},
+                            retry=RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, request_timeout_s=0.5))
+    outcome: dict = {}
+
+    def put() -> None:
+        try:
+            storage.put("step-0000000001/COMMIT", b"x" * 100_000, exclusive=True)
+        except RemoteStorageError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=put, daemon=True)
+    worker.start()
+    worker.join(120)  # a guard against a hang, not a speed check: the put gives up after two attempts of about 0.6 s
+    assert not worker.is_alive(), "a put to a store that never answers did not give up"
+    assert "failed after 2 attempts: FSTimeoutError: no answer within the request's time limit (RetryPolicy.request_timeout_s)" in \
+        outcome.get("error", ""), outcome
+    with pytest.raises(CheckpointConfigError, match="request_timeout_s=0"):
+        RetryPolicy(request_timeout_s=0)

@@ -98,7 +98,13 @@ class Endpoint:
 
     def s3_once(self, method: str, **kwargs: Any) -> Any:
         """One S3 API call on this bucket, not retried: for a caller that wraps it in `request` itself."""
-        return self.fs.call_s3(method, Bucket=self.bucket, **kwargs)
+        body = kwargs.get("Body")
+        return self.fs.call_s3(method, Bucket=self.bucket, **kwargs, **self.deadline(len(body) if body is not None else 0))
+
+    def deadline(self, nbytes: int = 0) -> dict[str, float]:
+        """`timeout=` for one request of an asynchronous filesystem (fsspec's sync() cancels it past that and raises a
+        TimeoutError, which the retry wrapper takes for transient); nothing for a synchronous one."""
+        return {"timeout": self.retrying.policy.deadline_s(nbytes)} if getattr(self.fs, "async_impl", False) else {}
 
     def translate(self, exc: Exception, what: str, path: str) -> BaseException:
         """The exception to raise for `exc` when it did not come from a request (a stream's write)."""

@@ -214,7 +214,7 @@ class FsspecStorage:
         kwargs: dict = {"max_concurrency": 1} if self.is_s3 and _cat_takes_concurrency(type(ep.fs)) else {}
         if max_bytes is not None and (n := self.size(path)) > max_bytes:  # a HEAD first: never GET a huge object whole
             raise base.too_large(ep.where(path), n, max_bytes)
-        data = bytes(ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), **kwargs)))
+        data = bytes(ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), **kwargs, **ep.deadline(max_bytes or 64 * MiB))))
         if max_bytes is not None and len(data) > max_bytes:
             raise base.too_large(ep.where(path), len(data), max_bytes)
         return data
@@ -238,7 +238,7 @@ class FsspecStorage:
     def _read_range(self, path: str, offset: int, view: memoryview) -> None:
         ep = self.endpoint
         n = len(view)
-        data = ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), start=offset, end=offset + n))
+        data = ep.request("read", path, lambda: ep.fs.cat_file(ep.full(path), start=offset, end=offset + n, **ep.deadline(n)))
         if len(data) < n:
             raise EOFError(f"{ep.where(path)} ends at byte {offset + len(data)}, {n - len(data)} bytes short")
         view[:] = data[:n]

@@ -184,16 +184,28 @@ def classify(exc: BaseException) -> ErrorInfo:
 class RetryPolicy:
     """Capped exponential backoff with jitter: the n-th retry waits in [d/2, d], d = min(cap_s, base_s * 2**n).
 
-    The default gives up after 6 attempts (about 3 s of waiting in total).
+    The default gives up after 6 attempts (about 3 s of waiting in total). An attempt of a request to
+    an asynchronous store (s3fs) that has no answer after `request_timeout_s` plus its body's size at
+    `min_rate_bytes_per_s` is cancelled and counts as a transient failure: a store that takes the bytes
+    and never answers costs the retry budget, not the job.
     """
 
     attempts: int = 6
     base_s: float = 0.05
     cap_s: float = 2.0
+    request_timeout_s: float = 60.0
+    min_rate_bytes_per_s: float = float(1 << 20)
+
+    def deadline_s(self, nbytes: int = 0) -> float:
+        """How long one attempt of a request carrying (or fetching) `nbytes` may go unanswered."""
+        return self.request_timeout_s + nbytes / self.min_rate_bytes_per_s
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise CheckpointConfigError(f"RetryPolicy.attempts={self.attempts}: must be >= 1 (1 = no retries)")
+        if not self.request_timeout_s > 0 or not self.min_rate_bytes_per_s > 0:
+            raise CheckpointConfigError(f"RetryPolicy(request_timeout_s={self.request_timeout_s}, min_rate_bytes_per_s="
+                                        f"{self.min_rate_bytes_per_s}): both must be > 0")
         if self.base_s < 0 or self.cap_s < self.base_s:
             raise CheckpointConfigError(
                 f"RetryPolicy(base_s={self.base_s}, cap_s={self.cap_s}): need 0 <= base_s <= cap_s"
@@ -211,7 +223,8 @@ class RemoteStorageError(CheckpointError, OSError):
     def __init__(self, what: str, where: str, cause: BaseException, info: ErrorInfo, attempts: int, secrets: Iterable[str] = ()) -> None:
         self.what, self.where, self.info, self.attempts = what, where, info, attempts
         detail = ", ".join(p for p in (info.code, f"HTTP {info.status}" if info.status else None) if p)
-        text = f"{cause} ({detail})" if detail else f"{type(cause).__name__}: {cause}"  # a service code says more than a type
+        said = str(cause) or ("no answer within the request's time limit (RetryPolicy.request_timeout_s)" if isinstance(cause, TimeoutError) else "")
+        text = f"{cause} ({detail})" if detail else f"{type(cause).__name__}: {said}"  # a service code says more than a type
         reason = redact(text, secrets)
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         super().__init__(f"{what} {where} failed{tries}: {reason}; {info.hint}")
