@@ -510,3 +510,72 @@ def test_a_users_optimizer_state_a_torch_optimizer_cannot_load_is_refused_before
                                                       r"load_state_dict\(\) raises KeyError: 'step'\).*exclude=\['optim'\]"):
         mgr.restore({"model": target, "optim": torch.optim.AdamW(target.parameters())})
     assert _same(target, Net(1))
+
+
+def test_torch_classes_that_share_their_state_restore_into_each_other(mgr):
+    import warnings
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved, target = torch.amp.GradScaler("cpu", init_scale=1024.0), ShardedGradScaler(device="cpu")
+    mgr.save(1, {"scaler": saved}).wait()
+    assert mgr.restore({"scaler": target}) == 1 and target.state_dict() == saved.state_dict()
+
+
+def test_an_optimizers_own_load_state_dict_pre_hook_is_honoured_while_planning(mgr):
+    model = Net(0)
+    opt = _Lion(model.parameters())
+    _adam_stepped(model, opt)
+    mgr.save(1, {"optim": opt}).wait()
+
+    def migrate(_, sd):  # the user's migration of a Lion state to AdamW's
+        for s in sd["state"].values():
+            s.setdefault("step", torch.tensor(1.0))
+            s.setdefault("exp_avg_sq", torch.zeros_like(s["exp_avg"]))
+        return sd
+
+    target = torch.optim.AdamW(model.parameters())
+    target.register_load_state_dict_pre_hook(migrate)
+    assert mgr.restore({"optim": target}) == 1
+    assert torch.equal(target.state[model.layers[0].weight]["exp_avg"], opt.state[model.layers[0].weight]["exp_avg"])
+
+
+def test_a_refused_restore_leaves_a_lazy_module_lazy_and_names_it_beside_its_optimizer(mgr):
+    src = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    src[1].register_buffer("old_stat", torch.ones(2))
+    opt = torch.optim.Adam(src.parameters())
+    src(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    mgr.save(1, {"model": src, "optim": opt}).wait()
+    lazy = nn.Sequential(nn.LazyLinear(3), nn.Linear(3, 2))
+    with pytest.raises(CheckpointMismatchError, match=r"model/1.old_stat: in the checkpoint but not in the target"):
+        mgr.restore({"model": lazy}, only="model")
+    assert lazy[0].has_uninitialized_params()  # its pre-hook was not run on the planning's stand-ins
+    with pytest.raises(CheckpointMismatchError, match="an uninitialized lazy parameter: run one forward pass first"):
+        mgr.restore({"model": lazy, "optim": torch.optim.Adam(lazy.parameters())})
+
+
+def test_leaving_out_an_item_of_a_list_the_optimizer_does_not_hold_is_refused(mgr):
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return model, torch.optim.LBFGS(model.parameters(), history_size=4, max_iter=4)
+
+    def step(model, opt):
+        def closure():
+            opt.zero_grad()
+            loss = (model(torch.ones(3, 4)) - 1).pow(2).sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+
+    model, opt = build()
+    step(model, opt)
+    step(model, opt)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    fresh, fresh_opt = build()
+    with pytest.raises(CheckpointMismatchError, match=r"optim/state/0/old_dirs/0: outside the selection, in a list saved with \d+ "
+                                                      r"items and no such list in the target: select the whole list or none of it"):
+        mgr.restore({"model": fresh, "optim": fresh_opt}, exclude="optim/state/0/old_dirs/0")

@@ -52,3 +52,12 @@ def test_a_numpy_subclass_is_refused_at_save_not_saved_without_its_own_data(tmp_
         with pytest.raises(StateError, match=r"state\['m'\] is a numpy\..*subclass of numpy.ndarray whose own data would be lost"):
             mgr.save(1, {"m": value})
         mgr.save(2, {"m": np.asarray(value)}).wait()  # as the error says
+
+
+def test_a_memory_mapped_array_is_saved_as_the_array_it_is(tmp_path):
+    path = tmp_path / "a.npy"
+    np.save(path, np.arange(6.0))
+    mapped = np.load(path, mmap_mode="r")
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, {"a": mapped}).wait()
+    assert np.array_equal(np.asarray(checkpointing.load(tmp_path / "ck")["a"]), np.arange(6.0))

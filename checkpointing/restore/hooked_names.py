@@ -33,6 +33,8 @@ def has_pre_hooks(module: torch.nn.Module) -> bool:
 def hooked_names(module: torch.nn.Module, saved: list[tuple[Any, dict]], own: Mapping[str, Any], tensors: Any) -> dict[str, str] | None:
     """Saved key -> the module's own key, for the saved keys the module's pre-hooks rename onto its own
     names; None when they rename nothing one to one (or raise)."""
+    if any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params() for m in module.modules()):
+        return None  # its hook would materialize the parameters (and restore refuses it anyway: run a forward first)
     stand_ins: dict[int, str] = {}
     state: dict[str, Any] = {}
     for key, node in saved:
@@ -41,7 +43,7 @@ def hooked_names(module: torch.nn.Module, saved: list[tuple[Any, dict]], own: Ma
         value = _stand_in(node, tensors)
         stand_ins[id(value)] = key
         state[key] = value
-    metadata = getattr(own, "_metadata", None)
+    metadata = None  # the step's versions are not recorded: a hook that renames only an old version's keys is followed too
     landed: dict[str, str] = {}  # own key -> saved key whose stand-in ended under it
 
     def walk(m: torch.nn.Module, local: dict, prefix: str) -> None:

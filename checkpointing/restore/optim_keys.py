@@ -69,8 +69,9 @@ def optimizer_problems(target: Any, node: dict, key: str, tensors: Sequence[Any]
 def load_problem(target: Any, sd: Mapping[str, Any], node: dict, key: str) -> str | None:
     """What `target.load_state_dict(sd)` raises, found on a copy of a torch optimizer (the target keeps its state): a state
     saved from an optimizer of the user's own (Lion) that a torch optimizer cannot take, named before the model is read."""
-    if type(target) not in _TORCH_OPTIMIZERS:
-        return None  # a subclass may load collectively, or keep more than Optimizer.__getstate__ copies
+    hooked = getattr(target, "_optimizer_load_state_dict_pre_hooks", None) or getattr(target, "_optimizer_load_state_dict_post_hooks", None)
+    if type(target) not in _TORCH_OPTIMIZERS or hooked:
+        return None  # a subclass may load collectively; hooks (a migration) are not on a copy (Optimizer.__getstate__)
     try:
         copy.copy(target).load_state_dict(sd)
     except Exception as exc:  # noqa: BLE001 - torch's own load_state_dict on a copy: any failure is the one to report
@@ -93,7 +94,7 @@ def _shape_problems(target: torch.optim.Optimizer, node: dict, tensors: Sequence
             continue
         for name, leaf in child.get("dict", ()):
             shape = tensors[leaf["tensor"]].shape if isinstance(leaf, dict) and "tensor" in leaf else ()
-            if shape != () and shape != tuple(params[pos].shape):
+            if shape != () and not isinstance(params[pos], torch.nn.parameter.UninitializedParameter) and shape != tuple(params[pos].shape):
                 out.append((("state", pos, name), f"saved {list(shape)}, the parameter at position {pos} of the optimizer's groups is "
                                                   f"{list(params[pos].shape)} now (it changed shape, or the groups list the parameters in "
                                                   f"another order): leave its state out with exclude=['{key}/state/{pos}'], or build the "

@@ -28,7 +28,7 @@ from checkpointing.format.manifest import Manifest, TensorEntry
 from checkpointing.restore.applying import assign, load_into
 from checkpointing.restore.hooked_names import has_pre_hooks, hooked_names
 from checkpointing.restore.optim_keys import fits_in_place, key_map, load_problem, optimizer_problems, partial_state
-from checkpointing.restore.saved_form import in_extra_state, numpy_target, other_torch_class, shared_elements, takes_saved_form
+from checkpointing.restore.saved_form import in_extra_state, is_scheduler, numpy_target, other_torch_class, shared_elements, takes_saved_form
 from checkpointing.restore.reading import READ_THREADS, ReadBox, Sources, overlapping, read_box
 from checkpointing.restore.selection import NameMatch, Selection, key_types, tree_keys, unmatched
 from checkpointing.restore.trees import BORROWED, OPTIONAL, PER_RANK, children, has_tensors, merge_trees, overlay
@@ -220,7 +220,7 @@ class _Planner:
             params = [p for group in target.param_groups for p in group["params"]]
             self.param_hints.update({path + ("state", i): p for i, p in enumerate(params)})
             self.replaced.add(path + ("state",))
-        elif not isinstance(target, torch.nn.Module) and (text := other_torch_class(target, node, join_key(path))) is not None:
+        elif is_scheduler(target) and (text := other_torch_class(target, node, join_key(path))) is not None:
             self.problem(path, text)
             return target
         if not isinstance(target, torch.nn.Module):
@@ -306,11 +306,12 @@ class _Planner:
         for i, child in enumerate(items):
             if self._selected(child, path + (i,)):
                 out.append(self.value(target[i] if same else _MISSING, child, path + (i,)))
-            elif same or target is _MISSING:  # outside the selection: the target keeps its item (load(): None holds the place)
+            elif same or (target is _MISSING and self.select.take_all):  # the target keeps its item (load(): None holds the place)
                 out.append(target[i] if same else None)
             else:
-                self.problem(path + (i,), f"outside the selection, in a list saved with {len(items)} items and a target of "
-                                          f"{len(target) if isinstance(target, (list, tuple)) else 'another kind'}: select the whole list or none of it")
+                held = f"a target of {len(target)}" if isinstance(target, (list, tuple)) else "no such list in the target"
+                self.problem(path + (i,), f"outside the selection, in a list saved with {len(items)} items and {held}: select the "
+                                          "whole list or none of it")
         return kind(out)
 
 

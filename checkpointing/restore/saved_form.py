@@ -12,7 +12,8 @@ A module's `_extra_state` is such a value too (its `set_extra_state()` takes the
 parameters and buffers keep their check: another shape there is a changed model.
 
 What such an object would refuse only once the model beside it was read (`other_torch_class`): a torch
-class saved, another torch class now (StepLR into LambdaLR, Adam into SGD). And targets no step can be
+LR scheduler or optimizer class saved, another torch class now (StepLR into LambdaLR, Adam into SGD);
+other torch classes (GradScaler into ShardedGradScaler) share their states. And targets no step can be
 read into in place (`numpy_target`, `shared_elements`), named before anything is read.
 """
 
@@ -47,6 +48,12 @@ def takes_saved_form(target: Any, node: dict, tensors: Sequence[Any]) -> bool:
         return False
     saved = node.get("value", 0.0 if "float" in node else None)
     return type(saved) in (int, float) and isinstance(target, torch.Tensor) and target.dim() == 0
+
+
+def is_scheduler(obj: Any) -> bool:
+    """An LR scheduler of torch's: its subclasses' states differ (StepLR into LambdaLR fails in load_state_dict)."""
+    lr = torch.optim.lr_scheduler
+    return isinstance(obj, tuple(c for c in (getattr(lr, "LRScheduler", None), getattr(lr, "ReduceLROnPlateau", None)) if c is not None))
 
 
 def qualified(obj: Any) -> str:

@@ -273,7 +273,7 @@ class _Walker:
         return len(self.leaves) - 1
 
     def add_ndarray(self, a: np.ndarray, path: tuple) -> int:
-        if type(a) is not np.ndarray:  # its own data (a mask, a matrix's shape rules) would be lost in silence
+        if type(a) is not np.ndarray and not isinstance(a, np.memmap):  # its own data (a mask, a matrix's rules) would be lost
             raise StateError(f"state[{join_key(path)!r}] is a {class_name(a)}, a subclass of numpy.ndarray whose own data would be "
                              "lost: save its parts as arrays (a masked array's a.data and a.mask) or np.asarray(a), or register a codec")
         if a.dtype.kind not in NUMPY_KINDS or a.dtype.byteorder == ">":
