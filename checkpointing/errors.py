@@ -98,9 +98,10 @@ class CheckpointUploadError(CheckpointSaveError):
         CheckpointError.__init__(
             self,
             f"upload of step {step} to the remote tier {remote} failed: {reason}. Step {step} is committed on the "
-            "local tier and restorable from there. A later save tries this upload again before its own (the next one; "
-            "with several ranks the one after it, at most 3 times), and local retention keeps the step until then. A "
-            "manager started on this directory resumes the upload of local steps newer than the newest remote one.",
+            "local tier and restorable from there. A later save tries this upload again before its own, at most 3 times "
+            "(one process: once an upload succeeded again, if keep_remote would keep the step; several ranks: the save after "
+            "next), and local retention keeps the step until then. A manager started on this directory resumes the upload "
+            "of local steps newer than the newest remote one.",
         )
 
 

@@ -266,7 +266,7 @@ def test_remote_uploads_only_new_files_and_restores_from_the_remote_alone(tmp_pa
 # ----------------------------------------------------------------------------- 3. the upload after a failed one
 
 
-def test_a_failed_upload_goes_again_before_the_next_which_sends_only_its_own_files(tmp_path, s3_bucket):
+def test_a_failed_upload_goes_again_once_the_remote_tier_answers_and_the_next_carries_what_it_needs(tmp_path, s3_bucket):
     local = tmp_path / "local"
     run = Run()
     remote = open_storage(*s3_bucket)
@@ -284,28 +284,31 @@ def test_a_failed_upload_goes_again_before_the_next_which_sends_only_its_own_fil
         assert mgr.tiers() == {1: "remote", 2: "local"}  # keep_local=1: step 1 is on the remote tier only
         assert catalog.list_steps(remote).committed == [1]
         proxy.faults.clear()
-        # step 3 takes `extra` from step 2's pack: the failed upload of step 2 goes again first (one process), so step 3's
-        # upload finds that pack there
+        # the remote tier failed last, so step 2 waits (one process); step 3 takes `extra` from step 2's pack, and its
+        # upload sends that pack too: every upload carries what its step needs
         run.train()
         refs[3] = run.snapshot()
         third = mgr.save(3, run.state()).wait()
         assert third.ok and third.tier == "local+remote", third
-    local_storage = LocalStorage(local)
-    earlier = earlier_files(local_storage, 3)
+        assert catalog.list_steps(remote).committed == [1, 3]
+        run.train()
+        refs[4] = run.snapshot()
+        fourth = mgr.save(4, run.state()).wait()  # the remote tier answered: step 2 goes again first, its pack there already
+        assert fourth.ok and fourth.tier == "local+remote", fourth
+    earlier = earlier_files(remote, 3)  # keep_local=1: step 3 is on the remote tier only now
     step2 = {f for f in earlier if f.startswith(naming.step_dir(2) + "/")}
     step1 = {f for f in earlier if f.startswith(naming.step_dir(1) + "/")}
     assert step2 and step1, earlier
-    step2_bytes = sum(f.primary_bytes for f in catalog.load_manifest(local_storage, 3).files if f.path in step2)
+    step2_bytes = sum(f.primary_bytes for f in catalog.load_manifest(remote, 3).files if f.path in step2)
     assert step2_bytes >= run.extra.numel() * 4
-    assert third.bytes_uploaded == third.bytes_written, (third, step2_bytes)
-    assert third.bytes_upload_reused == first.bytes_uploaded + step2_bytes, third  # steps 1's and 2's packs were there
-    assert verify_all(remote) == [1, 2, 3]
-    assert files_of(remote, 3) == files_of(local_storage, 3)
+    assert third.bytes_uploaded == third.bytes_written + step2_bytes, (third, step2_bytes)
+    assert third.bytes_upload_reused == first.bytes_uploaded, third  # step 1's pack was there
+    assert verify_all(remote) == [1, 2, 3, 4]
 
     shutil.rmtree(local)
     with remote_manager(tmp_path / "new-machine", s3_bucket) as mgr:  # every step, from the remote tier alone
-        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote"}
-        for step in (3, 2, 1):
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote", 4: "remote"}
+        for step in (4, 3, 2, 1):
             got, restored = restore_into_fresh(mgr, step=step)
             assert got == step
             assert_equal(refs[step], restored)

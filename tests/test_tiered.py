@@ -211,7 +211,9 @@ def test_failed_uploads_never_show_a_remote_step_and_leave_the_local_one(tmp_pat
         proxy.faults.clear()
         assert mgr.save(2, state(2, n=n)).wait().tier == "local+remote"  # the next save uploads again
         mgr.wait()  # the error was reported once
-    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2]  # one process: step 1's upload went again first
+        assert catalog.list_steps(remote_of(s3_bucket)).committed == [2]  # the remote tier failed last: step 1 waited
+        mgr.save(3, state(3, n=n)).wait()  # it answers again: step 1's upload goes again first (one process)
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3]
     assert SECRET not in caplog.text
 
 
@@ -231,9 +233,34 @@ def test_an_upload_error_surfaces_at_the_next_save_or_wait(tmp_path, s3_bucket):
         proxy.faults.clear()
         with pytest.raises(CheckpointUploadError, match="step 3"):
             mgr.wait()
-        mgr.save(5, state(5)).wait()  # the failed uploads of 1, 2 and 3 are tried again first (one process)
+        mgr.save(5, state(5)).wait()  # the remote tier failed last: only step 5 goes (an outage costs one upload per save)
+        assert mgr.tiers() == {1: "local", 2: "local", 3: "local", 5: "local+remote"}  # 4 was never saved
+        mgr.save(6, state(6)).wait()  # it answers again: the failed uploads of 1, 2 and 3 go again first (one process)
         mgr.wait()
-        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "local+remote", 5: "local+remote"}  # keep_local=2; 4 was never saved
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote", 5: "local+remote", 6: "local+remote"}  # keep_local=2
+
+
+@pytest.mark.parametrize("keep_remote", [None, 1])
+def test_an_outage_costs_each_save_its_own_upload_and_keep_remote_drops_what_it_would_not_keep(tmp_path, s3_bucket, caplog, keep_remote):
+    """One process: while the remote tier fails, no failed upload is tried again (each save pays its own upload's retry
+    budget, not every failed one's, and the stall stays flat); once it answers, they go again, those keep_remote keeps."""
+    with manager(tmp_path / "local", s3_bucket, keep_local=1, keep_remote=keep_remote) as mgr:
+        mgr.save(1, state(1)).wait()
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1))
+        for step in range(2, 7):
+            with pytest.raises(CheckpointUploadError, match=f"step {step}"):
+                mgr.save(step, state(step)).wait()
+        assert not [m for m in caplog.messages if "trying the failed upload" in m]
+        held = {1: "remote", 6: "local"} if keep_remote == 1 else {1: "remote", **{s: "local" for s in range(2, 7)}}
+        assert mgr.tiers() == held  # keep_remote=1 keeps only the newest: the others need not wait locally
+        proxy.faults.clear()
+        mgr.save(7, state(7)).wait()
+        mgr.save(8, state(8)).wait()
+        mgr.wait()
+        tried = sorted(int(m.split("step ")[1].split()[0]) for m in caplog.messages if "trying the failed upload" in m)
+        assert tried == ([] if keep_remote == 1 else [2, 3, 4, 5, 6])
+        assert mgr.tiers() == ({8: "local+remote"} if keep_remote == 1 else
+                               {1: "remote", **{s: "remote" for s in range(2, 8)}, 8: "local+remote"})
 
 
 def test_local_retention_keeps_a_step_whose_upload_failed_until_it_is_uploaded(tmp_path, s3_bucket):
@@ -249,9 +276,11 @@ def test_local_retention_keeps_a_step_whose_upload_failed_until_it_is_uploaded(t
         assert mgr.tiers() == {1: "remote", 2: "local", 3: "local", 4: "local"}  # keep_local=2 keeps more: their only copies
         proxy.faults.clear()
         mgr.save(5, state(5)).wait()
+        assert mgr.tiers() == {1: "remote", 2: "local", 3: "local", 4: "local", 5: "local+remote"}
+        mgr.save(6, state(6)).wait()  # the remote tier answers again: 2, 3 and 4 go first
         mgr.wait()
-        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote", 4: "local+remote", 5: "local+remote"}
-    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3, 4, 5]
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "remote", 4: "remote", 5: "local+remote", 6: "local+remote"}
+    assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_crash_between_data_and_commit_resumes_when_the_manager_starts_again(tmp_path, s3_bucket, caplog):

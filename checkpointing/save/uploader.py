@@ -26,8 +26,10 @@ Failures: a permanent error (or transient ones past the retry budget) fails this
 only: it is raised as CheckpointUploadError at the next save()/wait(), the local step stays
 committed, and later steps upload normally. Nothing of a failed upload is ever visible as a step
 on the remote tier: without COMMIT it is an incomplete step (removed by retention or `gc`).
-The next save() submits every failed upload again before its own step, in step order: with one
-process while the step is still committed locally; with several ranks (which must submit the same
+The next save() submits failed uploads again before its own step, in step order. With one process:
+those still committed locally, tried at most RETRIES times, that keep_remote would keep beside the
+newer steps, and only once the remote tier answers again (the newest upload succeeded): during an
+outage each save pays its own upload's retry budget, not every failed upload's. With several ranks (which must submit the same
 uploads in the same order, as each has its number `seq`) by what every rank knows alike: rank 0's
 verdict failed it, delete() (a collective call) did not remove the step, it was tried at most
 RETRIES times since it first failed, and it is numbered two or more before the upload being queued
@@ -44,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from checkpointing.save.pending_uploads import PendingUploads
 from checkpointing.save.serial import SerialThread
 from checkpointing.save.yielding import CpuYield
 from checkpointing.tier import catalog
@@ -53,7 +56,7 @@ from checkpointing.dist.types import Coordinator, TierCommitter
 from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format.manifest import CommittedStep
 from checkpointing.plan.resume import ResumeOffer, resume_plan
-from checkpointing.plan.retention import RetentionPolicy
+from checkpointing.plan.retention import RetentionPolicy, StepInfo
 from checkpointing.observe.metrics import metrics_bytes
 from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
@@ -61,50 +64,6 @@ from checkpointing.storage import FsspecStorage, LocalStorage
 log = logging.getLogger("checkpointing")
 
 RETRIES = 3  # with several ranks, the times a failed upload is tried again (one process: while the step is local)
-
-
-class PendingUploads:
-    """The steps whose upload is queued or running, or failed and is to be tried again (thread-safe):
-    the uploader adds and removes them; retention on either tier never deletes them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: list[UploadJob] = []
-        self.failed: dict[int, UploadJob] = {}  # step -> its failed upload, tried again with the next one
-
-    def add(self, job: UploadJob) -> None:
-        with self._lock:
-            self._jobs.append(job)
-
-    def remove(self, job: UploadJob) -> None:
-        with self._lock:
-            self._jobs.remove(job)
-
-    def steps(self) -> set[int]:
-        with self._lock:
-            return {j.step for j in self._jobs} | set(self.failed)
-
-    def fail(self, job: UploadJob) -> None:
-        with self._lock:
-            self.failed[job.step] = job
-
-    def forget(self, step: int) -> None:
-        """`step` was deleted: its failed upload is not tried again."""
-        with self._lock:
-            self.failed.pop(step, None)
-
-    def take_failed(self, through_seq: int | None = None) -> list[UploadJob]:
-        """The failed uploads (those numbered up to `through_seq`), by step; they leave the list."""
-        with self._lock:
-            jobs = sorted((j for j in self.failed.values() if through_seq is None or j.seq <= through_seq), key=lambda j: j.step)
-            for j in jobs:
-                del self.failed[j.step]
-            return jobs
-
-    def through(self, seq: int) -> list[UploadJob]:
-        """The uploads queued or running that are numbered up to `seq`."""
-        with self._lock:
-            return [j for j in self._jobs if j.seq <= seq]
 
 
 class Uploader:
@@ -137,13 +96,12 @@ class Uploader:
         self._base: tuple[int, str, frozenset[str]] | None = None  # newest step committed there: (step, manifest sha256, its files)
         self._closing = False  # close() waits for what is queued: nothing is lowered from then on
         self._uploaded = False  # an upload of this process succeeded: the remote tier is worth a metrics copy at close
+        self._answering = True  # the newest finished upload succeeded: failed ones are worth trying again (one process)
         self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
         """Queue `job`, after the failed uploads tried again (see the module docstring)."""
-        for failed in self._due_retries():
-            if self._world_size == 1 and failed.step not in catalog.list_steps(self.local).committed:
-                continue  # deleted since
+        for failed in self._due_retries(job.step):
             if self._world_size > 1 and failed.tries > RETRIES:
                 if self.rank == 0:
                     log.error("checkpointing: the upload of step %d to %s failed %d times: not tried again while this job runs "
@@ -154,17 +112,49 @@ class Uploader:
             self._submit(UploadJob(failed.step, committed=failed.committed, t_local=failed.t_local, sends=failed.sends, tries=failed.tries + 1))
         self._submit(job)
 
-    def _due_retries(self) -> list[UploadJob]:
+    def _due_retries(self, new_step: int) -> list[UploadJob]:
         """The failed uploads to try again now. With several ranks only those numbered two or more before the one
         about to be queued: every rank knows their verdicts (this waits for them; save() has mostly waited already,
         for the upload before last), whereas a later one's may reach the ranks at different moments."""
         if self._world_size == 1:
-            return self.pending.take_failed()
+            return self._due_alone(new_step)
         with self._lock:
             settled = self._seq - 2
         for earlier in self.pending.through(settled):
             earlier.done.wait()
         return self.pending.take_failed(through_seq=settled)
+
+    def _due_alone(self, new_step: int) -> list[UploadJob]:
+        """One process: the failed uploads still committed locally, tried at most RETRIES times, that keep_remote keeps
+        beside the newer steps; tried again only once the remote tier answered since (the newest upload succeeded), so
+        that an outage costs each save its own upload's retry budget, not every failed one's. The rest wait."""
+        failed, local = self.pending.take_failed(), set(catalog.list_steps(self.local).committed)
+        worth = [j for j in failed if j.step in local and j.tries <= RETRIES]
+        for j in failed:
+            if j.step in local and j not in worth:
+                log.error("checkpointing: the upload of step %d to %s failed %d times: not tried again while this job runs",
+                          j.step, self.remote.url, j.tries)
+        if self.keep_remote is not None and worth:
+            kept = self._kept_remotely({j.step for j in worth} | {new_step} | self.remote_steps())
+            for j in [j for j in worth if j.step not in kept]:
+                log.warning("checkpointing: the failed upload of step %d to %s is not tried again: keep_remote would not keep "
+                            "it beside the newer steps", j.step, self.remote.url)
+            worth = [j for j in worth if j.step in kept]
+        if not self._answering:
+            for j in worth:
+                self.pending.fail(j)
+            return []
+        return worth
+
+    def _kept_remotely(self, steps: set[int]) -> set[int]:
+        """What keep_remote keeps of `steps` (metrics from the local COMMITs); all of them when they cannot be read."""
+        assert self.keep_remote is not None
+        try:
+            local = set(catalog.list_steps(self.local).committed)
+            infos = catalog.step_infos(self.local, sorted(steps & local), metrics=bool(self.keep_remote.metric_names))
+            return set(self.keep_remote.kept(infos + [StepInfo(s) for s in sorted(steps - local)]))
+        except (OSError, CheckpointError):
+            return steps
 
     def forget(self, step: int) -> None:
         """delete() removed `step`: its failed upload is not tried again (every rank forgets it alike)."""
@@ -219,6 +209,7 @@ class Uploader:
             self._base = (job.step, job.committed.digest, frozenset(f.path for f in job.committed.files))
         except BaseException as exc:  # noqa: BLE001 - raised at the next save()/wait()
             job.error = exc
+        self._answering = job.error is None
         if job.error is not None:
             self.pending.fail(job)  # its only copy stays (local retention) until it is tried again
         pins.remove_pin(self.remote, job.pin)

@@ -34,7 +34,8 @@ from checkpointing.save.job import SaveJob, UploadJob
 from checkpointing.save.records import SaveRecords
 from checkpointing.save.scrub import Reverifier
 from checkpointing.save.staging import StagingPool
-from checkpointing.save.uploader import PendingUploads, Uploader
+from checkpointing.save.pending_uploads import PendingUploads
+from checkpointing.save.uploader import Uploader
 from checkpointing.save.writer import run_save
 from checkpointing.save.yielding import CpuYield
 from checkpointing.storage import LocalStorage
@@ -330,7 +331,14 @@ class SaveWorker:
         elif upload is not None and outcome.error is None:
             upload.committed, upload.t_local = outcome.committed, outcome.t_committed
             assert self._uploader is not None
-            self._uploader.submit(upload)  # records the stats once the step is on the remote tier
+            try:
+                self._uploader.submit(upload)  # records the stats once the step is on the remote tier
+            except Exception as exc:  # noqa: BLE001 - a bug of ours: the upload fails, its waiters never hang
+                upload.error = exc
+                try:
+                    self._uploader.on_finish(upload)
+                finally:
+                    upload.done.set()
             outcome.done.set()  # the next save may start: the upload reads the local files, not the staging pool
         else:
             try:
