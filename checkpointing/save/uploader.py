@@ -29,12 +29,13 @@ on the remote tier: without COMMIT it is an incomplete step (removed by retentio
 The next save() submits failed uploads again before its own step, in step order. With one process:
 those still committed locally, tried at most RETRIES times, that keep_remote would keep beside the
 newer steps, and only once the remote tier answers again (the newest upload succeeded): during an
-outage each save pays its own upload's retry budget, not every failed upload's. With several ranks (which must submit the same
-uploads in the same order, as each has its number `seq`) by what every rank knows alike: rank 0's
-verdict failed it, delete() (a collective call) did not remove the step, it was tried at most
-RETRIES times since it first failed, and it is numbered two or more before the upload being queued
-(the verdict of the one just before may reach the ranks at different moments: it is tried a save later). Each rank's report names its step, and rank 0 fails an upload
-whose reports name different steps rather than commit it (dist/remote_commit.py).
+outage each save pays its own upload's retry budget, not every failed upload's. With several ranks
+(which must submit the same uploads in the same order, as each has its number `seq`) by what every
+rank knows alike: rank 0's verdict failed it, delete() (a collective call) did not remove the step,
+it was tried at most RETRIES times since it first failed, and it is numbered two or more before the
+upload being queued (the verdict of the one just before may reach the ranks at different moments:
+it is tried a save later). Each rank's report names its step, and rank 0 fails an upload whose
+reports name different steps rather than commit it (dist/remote_commit.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from checkpointing.storage import FsspecStorage, LocalStorage
 
 log = logging.getLogger("checkpointing")
 
-RETRIES = 3  # with several ranks, the times a failed upload is tried again (one process: while the step is local)
+RETRIES = 3  # the times a failed upload is tried again
 
 
 class Uploader:
