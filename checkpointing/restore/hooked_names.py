@@ -43,13 +43,11 @@ def hooked_names(module: torch.nn.Module, saved: list[tuple[Any, dict]], own: Ma
         value = _stand_in(node, tensors)
         stand_ins[id(value)] = key
         state[key] = value
-    metadata = None  # the step's versions are not recorded: a hook that renames only an old version's keys is followed too
     landed: dict[str, str] = {}  # own key -> saved key whose stand-in ended under it
 
     def walk(m: torch.nn.Module, local: dict, prefix: str) -> None:
-        local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
-        for hook in m._load_state_dict_pre_hooks.values():
-            hook(local, prefix, local_metadata, True, [], [], [])
+        for hook in m._load_state_dict_pre_hooks.values():  # no version metadata: the step's versions are not recorded, so
+            hook(local, prefix, {}, True, [], [], [])  # a hook renaming only an old version's keys is followed too
         for key, value in local.items():
             if key in own and id(value) in stand_ins:
                 landed[key] = stand_ins[id(value)]

@@ -19,6 +19,7 @@ from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.restore.planner import Sources, execute, plan_restore
 from checkpointing.restore.selection import Selection
+from checkpointing.restore.step_choice import listing
 from checkpointing.state.codecs import Codec, codec_tuple
 from checkpointing.storage import Storage, open_storage
 from checkpointing.storage.redact import redact_url
@@ -56,7 +57,7 @@ def load(
         raise CheckpointNotFoundError(f"{storage.url} holds no committed step")
     if step is not None:
         if step not in committed:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {_listing(committed)})")
+            raise CheckpointNotFoundError(f"step {step} is not committed in {storage.url} (committed: {listing(committed)})")
         return _read(storage, catalog.load_manifest(storage, step), keys, exclude, rank, codecs)
     newer: list[int] = []
     while True:  # the newest step that reads clean: one whose data is damaged is passed over, as restore() does
@@ -126,8 +127,3 @@ def open_readonly(path_or_url: str | os.PathLike, storage_options: Mapping[str, 
         raise CheckpointNotFoundError(f"{redact_url(target)}: no such checkpoint directory")
     refuse_foreign(target, CheckpointNotFoundError)
     return ReadOnlyLocalStorage(target)  # refuses any write: load() changes nothing
-
-
-def _listing(steps: Iterable[int]) -> str:
-    ordered = sorted(steps)
-    return ", ".join(map(str, ordered[-10:])) + (f" and {len(ordered) - 10} older" if len(ordered) > 10 else "")

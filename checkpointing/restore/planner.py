@@ -43,6 +43,10 @@ def _lists_group_params(path: tuple) -> bool:
     return len(path) >= 3 and path[-1] == "params" and path[-3] == "param_groups" and isinstance(path[-2], int)
 
 
+def _under(path: tuple, prefixes: set[tuple]) -> bool:
+    return any(path[:len(p)] == p for p in prefixes)
+
+
 def _target_has_tensors(obj: Any) -> bool:
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         return True
@@ -285,10 +289,10 @@ class _Planner:
         return {k: self.value(_MISSING, child, path + (k,)) for k, child in items if self._selected(child, path + (k,))}
 
     def _taken(self, path: tuple) -> bool:
-        return any(path[:len(p)] == p for p in self.taken) or in_extra_state(path)
+        return _under(path, self.taken) or in_extra_state(path)
 
     def _in_replaced(self, path: tuple) -> bool:
-        return any(path[:len(p)] == p for p in self.replaced)
+        return _under(path, self.replaced)
 
     def _selected(self, node: dict, path: tuple, *aliases: str) -> bool:
         key = join_key(path)

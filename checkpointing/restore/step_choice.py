@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from checkpointing.dist.types import Coordinator
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, about_step
@@ -118,9 +118,7 @@ def _readable_steps(state: Mapping[str, Any], step: int | None, strict: bool | S
     damaged: list[int] = []
     for s in candidates:
         if s not in committed:
-            newest = sorted(committed)[-10:]
-            listed = f" (committed: {', '.join(map(str, newest))}{' and older' if len(committed) > 10 else ''})" if committed else ""
-            found.notes.append(f"step {s} is not committed in {where}{listed}")
+            found.notes.append(f"step {s} is not committed in {where}" + (f" (committed: {listing(committed)})" if committed else ""))
             continue
         copies = {t: r for t, r in tiers.replicas.items() if s in replica_steps[t]}  # peer copies holding step s
         try:
@@ -179,3 +177,9 @@ def _load_manifest(local: Storage | None, remote: Storage | None, step: int, cop
             what = f"the remote tier {nxt.url}" if nxt is remote else f"the peer copy {nxt.url}"
             log.warning("checkpointing: %s; reading the manifest of step %d from %s instead", exc, step, what)
     raise CheckpointNotFoundError(f"step {step} is committed on no tier this rank reads")
+
+
+def listing(steps: Iterable[int]) -> str:
+    """Step numbers as an error lists them: the newest 10, and how many older ones."""
+    ordered = sorted(steps)
+    return ", ".join(map(str, ordered[-10:])) + (f" and {len(ordered) - 10} older" if len(ordered) > 10 else "")

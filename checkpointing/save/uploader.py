@@ -129,14 +129,17 @@ class Uploader:
         """One process: the failed uploads still committed locally, tried at most RETRIES times, that keep_remote keeps
         beside the newer steps; tried again only once the remote tier answered since (the newest upload succeeded), so
         that an outage costs each save its own upload's retry budget, not every failed one's. The rest wait."""
-        failed, local = self.pending.take_failed(), set(catalog.list_steps(self.local).committed)
+        failed = self.pending.take_failed()
+        if not failed:
+            return []
+        local = set(catalog.list_steps(self.local).committed)
         worth = [j for j in failed if j.step in local and j.tries <= RETRIES]
         for j in failed:
             if j.step in local and j not in worth:
                 log.error("checkpointing: the upload of step %d to %s failed %d times: not tried again while this job runs",
                           j.step, self.remote.url, j.tries)
         if self.keep_remote is not None and worth:
-            kept = self._kept_remotely({j.step for j in worth} | {new_step} | self.remote_steps())
+            kept = self._kept_remotely({j.step for j in worth} | {new_step} | self.remote_steps(), local)
             for j in [j for j in worth if j.step not in kept]:
                 log.warning("checkpointing: the failed upload of step %d to %s is not tried again: keep_remote would not keep "
                             "it beside the newer steps", j.step, self.remote.url)
@@ -147,11 +150,11 @@ class Uploader:
             return []
         return worth
 
-    def _kept_remotely(self, steps: set[int]) -> set[int]:
-        """What keep_remote keeps of `steps` (metrics from the local COMMITs); all of them when they cannot be read."""
+    def _kept_remotely(self, steps: set[int], local: set[int]) -> set[int]:
+        """What keep_remote keeps of `steps` (metrics from the COMMITs of those committed `local`ly); all of them when
+        they cannot be read."""
         assert self.keep_remote is not None
         try:
-            local = set(catalog.list_steps(self.local).committed)
             infos = catalog.step_infos(self.local, sorted(steps & local), metrics=bool(self.keep_remote.metric_names))
             return set(self.keep_remote.kept(infos + [StepInfo(s) for s in sorted(steps - local)]))
         except (OSError, CheckpointError):
