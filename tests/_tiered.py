@@ -154,7 +154,7 @@ def uploads_tried_again(rank: int, world: int, base: str, url: str, options: dic
         mgr.save(8, {"x": torch.ones(1 << 16)}).wait()
         mgr.wait()
         again = [int(m.split("step ")[1].split()[0]) for m in lines.lines if m.startswith("checkpointing: trying the failed upload")]
-        return {"failed": failed, "again": again, "tiers": mgr.tiers()}
+        return {"failed": failed, "again": again, "tiers": mgr.tiers(), "records": {s.step: (s.ok, s.upload_tries) for s in mgr.stats()}}
 
 
 def crash_then_resume(rank: int, world: int, base: str, url: str, options: dict, phase: str) -> Any:

@@ -188,6 +188,29 @@ def test_a_save_whose_upload_failed_still_counts_its_bytes_and_cost():
     assert summary.summarize([lost]).bytes_written == 0
 
 
+def test_a_later_record_of_a_save_whose_upload_succeeded_on_a_later_try_replaces_the_first_in_either_order():
+    """SaveStats.upload_tries: the second record of a save (same step, rank, world size, time) replaces the first where
+    the first was; step fields it lacks come from the first; another rank's record and another save of the step stay."""
+    failed = dict(stats(2, 0.2, ok=False).as_dict(), committed=True, tier="local", upload_s=0.5, upload_tries=1,
+                  step_stall_s=0.25, slowdown_s=0.05, cost_s=0.3)
+    later = dict(failed, ok=True, error=None, tier="local+remote", upload_s=9.0, upload_tries=2, step_stall_s=None,
+                 slowdown_s=None, cost_s=None)
+    other_rank = dict(failed, rank=1, world_size=2)
+    rerun = dict(failed, time=failed["time"] + 3600)  # a later run's save of step 2: a save of its own
+    one, three = stats(1, 0.1).as_dict(), stats(3, 0.3).as_dict()
+    for recs in ([one, failed, three, later, other_rank, rerun], [one, later, three, failed, other_rank, rerun]):
+        got = summary.current(recs)
+        assert [(r["step"], r.get("rank", 0), r["ok"], r.get("upload_tries")) for r in got] == [
+            (1, 0, True, None), (2, 0, True, 2), (3, 0, True, None), (2, 1, False, 1), (2, 0, False, 1)]
+        assert (got[1]["upload_s"], got[1]["step_stall_s"], got[1]["slowdown_s"], got[1]["error"]) == (9.0, 0.25, 0.05, None)
+        s = summary.summarize(recs)
+        assert (s.saves, s.ok, s.failed) == (5, 3, 2)
+        rows = summary.to_json(recs)["saves"]
+        assert [(r["step"], r["ok"], r["upload_tries"]) for r in rows if r["rank"] in (0, None)] == [
+            (1, True, None), (2, True, 2), (3, True, None), (2, False, 1)]
+    assert summary.current([one, failed]) == [one, failed]  # nothing to fold: the records as they are
+
+
 def test_json_has_stable_documented_keys(records):
     doc = summary.to_json(records, mtbf_s=3600.0, source="ckpt")
     assert list(doc) == ["schema", "source", "plot", "saves", "summary", "advice"]

@@ -30,6 +30,7 @@ from checkpointing import CheckpointConfigError, CheckpointError, CheckpointMana
 from checkpointing.tier import catalog
 from checkpointing.tier import collect
 from checkpointing.format import naming
+from checkpointing.observe.metrics import read_jsonl
 from checkpointing.storage import RetryPolicy, open_storage
 from checkpointing.tier.verify import verify_step
 
@@ -263,6 +264,64 @@ def test_an_outage_costs_each_save_its_own_upload_and_keep_remote_drops_what_it_
                                {1: "remote", **{s: "remote" for s in range(2, 8)}, 8: "local+remote"})
 
 
+def test_a_failed_upload_that_succeeds_later_is_recorded_again_and_the_report_shows_the_save_ok(tmp_path, s3_bucket, run_cli):
+    """docs/observability.md: a failed upload tried again that succeeds gets a second record of its save (ok, both tiers,
+    upload_tries 2) in mgr.stats(), metrics.jsonl, on_metrics and the remote tier's copy; the report folds the two."""
+    got: list[dict] = []
+    local = tmp_path / "local"
+    with manager(local, s3_bucket, on_metrics=got.append) as mgr:
+        mgr.save(1, state(1)).wait()
+        proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1))
+        with pytest.raises(CheckpointUploadError, match="step 2"):
+            mgr.save(2, state(2)).wait()
+        assert [(s.step, s.ok, s.tier, s.upload_tries) for s in mgr.stats()] == [(1, True, "local+remote", 1), (2, False, "local", 1)]
+        proxy.faults.clear()
+        mgr.save(3, state(3)).wait()  # the remote tier answers again
+        mgr.save(4, state(4)).wait()  # the failed upload of 2 goes first
+        mgr.wait()
+        stats = {s.step: s for s in mgr.stats()}
+        assert sorted(stats) == [1, 2, 3, 4]
+        s2 = stats[2]
+        assert (s2.ok, s2.tier, s2.error, s2.upload_tries, s2.committed) == (True, "local+remote", None, 2, True)
+        assert s2.bytes_uploaded == stats[1].bytes_uploaded > 0 and s2.upload_s > 0
+        assert mgr.tiers() == {1: "remote", 2: "remote", 3: "local+remote", 4: "local+remote"}
+    assert mgr.tiers() == {1: "remote", 2: "remote", 3: "local+remote", 4: "local+remote"}  # closed: its own loop is gone
+    lines = [r for r in read_jsonl(local / naming.METRICS_NAME) if r["step"] == 2]
+    assert [(r["ok"], r["tier"], r["upload_tries"]) for r in lines] == [(False, "local", 1), (True, "local+remote", 2)]
+    assert lines[0]["time"] == lines[1]["time"] and lines[1]["error"] is None
+    assert [(r["step"], r["ok"]) for r in got] == [(1, True), (2, False), (3, True), (2, True), (4, True)]
+    for where in (str(local), s3_bucket[0]):  # rank 0's copy on the remote tier has the second record too
+        o = s3_bucket[1]
+        opts = ["-o", f"endpoint_url={o['endpoint_url']}", "-o", f"key={o['key']}", "-o", f"secret={o['secret']}",
+                "-o", "client_kwargs.region_name=us-east-1"] if "://" in where else []
+        code, out = run_cli("report", where, "--json", *opts)
+        assert code == 0, out
+        doc = json.loads(out)
+        assert [(r["step"], r["ok"], r["upload_tries"]) for r in doc["saves"]] == [(1, True, 1), (2, True, 2), (3, True, 1), (4, True, 1)]
+        assert (doc["summary"]["saves"], doc["summary"]["ok"], doc["summary"]["failed"]) == (4, 4, 0)
+    code, out = run_cli("report", str(local))
+    assert code == 0 and "ok (uploaded at try 2)" in out, out
+
+
+def test_an_upload_that_failed_and_is_resumed_by_the_next_process_records_its_save_again(tmp_path, s3_bucket, run_cli):
+    """The save's first record (upload failed) was written by the process before: the upload the next manager
+    resumes adds the second record, from that one (same time, upload_tries 2)."""
+    local = tmp_path / "local"
+    with manager(local, s3_bucket) as mgr:
+        inject(mgr.remote_storage, Fault("*", "denied", times=-1))
+        with pytest.raises(CheckpointUploadError, match="step 1"):
+            mgr.save(1, state(1)).wait()
+    with manager(local, s3_bucket) as mgr:
+        mgr.wait()  # the resumed upload
+        assert mgr.tiers() == {1: "local+remote"}
+    lines = read_jsonl(local / naming.METRICS_NAME)
+    assert [(r["step"], r["ok"], r["tier"], r["upload_tries"]) for r in lines] == [(1, False, "local", 1), (1, True, "local+remote", 2)]
+    assert lines[0]["time"] == lines[1]["time"] and lines[0]["stall_s"] == lines[1]["stall_s"] and lines[1]["bytes_uploaded"] > 0
+    code, out = run_cli("report", str(local), "--json")
+    doc = json.loads(out)
+    assert code == 0 and [(r["step"], r["ok"]) for r in doc["saves"]] == [(1, True)] and doc["summary"]["failed"] == 0
+
+
 def test_local_retention_keeps_a_step_whose_upload_failed_until_it_is_uploaded(tmp_path, s3_bucket):
     """docs/design.md: the only copy of a step is never deleted before it is durable elsewhere."""
     with manager(tmp_path / "local", s3_bucket) as mgr:  # keep_local=2, every step kept remotely
@@ -490,6 +549,9 @@ def test_failed_uploads_are_tried_again_by_every_rank_alike(tmp_path, s3_bucket)
     assert results[0]["failed"] == [1, 2, 3, 4, 5, 7]
     assert sorted(results[0]["again"]) == [1, 1, 1, 2, 2, 2, 3, 3, 4, 5, 5]
     assert results[0]["tiers"] == {1: "local", **{s: "local+remote" for s in (2, 3, 4, 5, 6, 8)}}
+    # each rank's record of a save whose upload succeeded on a later try says so (ok, and the try)
+    assert results[0]["records"] == {1: (False, 1), 2: (True, 4), 3: (True, 3), 4: (True, 2), 5: (True, 3), 6: (True, 1),
+                                     7: (False, 1), 8: (True, 1)}
     assert assert_remote_whole(remote_of(s3_bucket)) == [2, 3, 4, 5, 6, 8]
 
 

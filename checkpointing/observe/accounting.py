@@ -121,6 +121,17 @@ class SaveAccounting:
             self.schedule.failed()
         return stats
 
+    def amend(self, old: SaveStats, new: SaveStats) -> bool:
+        """A durable save's record changed (its upload, tried again, succeeded): when its cost is not final yet,
+        `new` is what gets it and is written then (True); else False (its record is written: the caller writes `new`)."""
+        with self._lock:
+            waiting = self._pending.get(old.step, [])
+            for i, (stats, replace) in enumerate(waiting):
+                if stats is old:
+                    waiting[i] = (new, replace)
+                    return True
+        return False
+
     def settle(self, step: int, ok: bool) -> None:
         """After `durable` made the SaveStats visible: its background work is over (background thread)."""
         self.clock.save_durable(step, ok=ok)

@@ -54,6 +54,11 @@ class SaveStats:
     upload_s, bytes_uploaded, upload_bytes_per_s (None without a remote tier): local commit to
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
         bytes this rank uploaded, and their rate over this rank's own transfer time.
+    upload_tries (None without a remote tier): the try of the upload this record reports (1: the
+        upload that followed the save). A failed upload tried again at a later save (save/uploader.py)
+        that succeeds gets a second record of its save: the same step, rank and time, ok=True,
+        tier="local+remote", upload_tries > 1 and the successful try's upload fields; it replaces the
+        first record (observe/summary.py `current`).
     ok: durable on every configured tier; a step whose upload failed has ok=False, tier="local"
         and the upload error in `error` (it is committed locally). committed: the step is committed
         on the local tier (True also when only its upload or peer copy failed).
@@ -111,6 +116,7 @@ class SaveStats:
     yielded_s: float | None = None
     committed: bool = False
     recovered: bool = False
+    upload_tries: int | None = None
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIELDS:
@@ -171,6 +177,27 @@ def last_recorded_step(path: os.PathLike | str, rank: int, *, tail_bytes: int = 
                 if isinstance(rec, dict) and rec.get("rank", 0) == rank and isinstance(rec.get("step"), int):
                     return rec["step"]
     return None
+
+
+def failed_uploads(path: os.PathLike | str, rank: int, steps: set[int], *, tail_bytes: int = 1 << 20) -> dict[int, tuple[dict[str, Any], int]]:
+    """Of `steps`, those whose last record by `rank` in the metrics file's last `tail_bytes` says the step was
+    committed and its upload failed: step -> (that record, its upload_tries)."""
+    f = _open_regular(path)
+    if f is None:
+        return {}
+    with f:
+        start = max(0, os.fstat(f.fileno()).st_size - tail_bytes)
+        f.seek(start)
+        last: dict[int, dict[str, Any]] = {}
+        for rec in parse_jsonl(b"\n".join(f.read().splitlines()[1 if start else 0:])):  # a tail's first line may be cut
+            if isinstance(rec, dict) and rec.get("rank", 0) == rank and rec.get("step") in steps:
+                last[rec["step"]] = rec
+    out = {}
+    for step, rec in last.items():
+        if rec.get("ok") is False and rec.get("committed") is True and rec.get("upload_s") is not None:
+            tries = rec.get("upload_tries")
+            out[step] = (rec, tries if isinstance(tries, int) and not isinstance(tries, bool) and tries > 0 else 1)
+    return out
 
 
 def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from checkpointing.format.naming import METRICS_NAME
 from checkpointing.observe.metrics import read_jsonl
 from checkpointing.plan import advice
 
-__all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "by_save", "load_records", "number", "recorded",
+__all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "by_save", "current", "load_records", "number", "recorded",
            "succeeded", "summarize", "to_json"]
 
 Record = Mapping[str, Any]  # one metrics record: a JSON object, as SaveStats.as_dict() writes it
@@ -43,7 +43,8 @@ SAVE_KEYS = ("step", "rank", "world_size", "ok", "committed", "error", "time", "
              "bytes_unwritten", "bytes_deferred", "chunks_total", "chunks_reused", "bytes_reverified", "chunks_reverified",
              "chunks_damaged", "staging_bytes", "bytes_uploaded", "bytes_upload_reused", "write_bytes_per_s",
              "upload_bytes_per_s", "yielded_s", "step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s",
-             "time_to_first_durable_s", "recovered")
+             "time_to_first_durable_s", "recovered", "upload_tries")
+STEP_KEYS = ("step_stall_s", "slowdown_s", "cost_s", "overhead_pct", "step_time_s")  # known once a save's cost is final
 
 
 def load_records(path_or_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -89,6 +90,48 @@ def succeeded(rec: Record) -> bool:
     return ok if isinstance(ok, bool) else rec.get("error") is None
 
 
+def current(records: Sequence[Record]) -> list[Record]:
+    """The records, each save's record on each rank once: a failed upload that a later save tried again and that
+    succeeded wrote a second record of its save (the same step, rank, world size and time; ``upload_tries`` > 1),
+    which replaces the first one, in its place. The step fields (STEP_KEYS) it lacks, it takes from the first (the
+    two are written in either order when the retry ends while the save's cost is not final yet)."""
+    latest: dict[tuple, Record] = {}
+    for r in records:
+        k = _retry_key(r)
+        if k is not None and _tries(r) > 1 and (k not in latest or _tries(r) >= _tries(latest[k])):
+            latest[k] = r
+    if not latest:
+        return list(records)
+    out: list[Record] = []
+    placed: dict[tuple, int] = {}
+    for r in records:
+        k = _retry_key(r)
+        if k not in latest:
+            out.append(r)
+            continue
+        if k not in placed:
+            placed[k] = len(out)
+            out.append(dict(latest[k]))
+        into = out[placed[k]]
+        for key in STEP_KEYS:
+            if into.get(key) is None and r.get(key) is not None:
+                into[key] = r[key]  # type: ignore[index]
+    return out
+
+
+def _tries(rec: Record) -> int:
+    t = rec.get("upload_tries")
+    return t if isinstance(t, int) and not isinstance(t, bool) else 1
+
+
+def _retry_key(rec: Record) -> tuple | None:
+    """What one save's records on one rank share; None: a record that cannot be told apart from others'."""
+    step, rank, t = rec.get("step"), rec.get("rank", 0), number(rec, "time")
+    if not isinstance(step, int) or isinstance(step, bool) or t is None:
+        return None
+    return step, rank if isinstance(rank, int) else 0, rec.get("world_size") if isinstance(rec.get("world_size"), int) else None, t
+
+
 def by_save(records: Sequence[Record]) -> list[list[Record]]:
     """The records grouped into saves, in the order the saves first appear, each save's records by rank.
 
@@ -97,7 +140,9 @@ def by_save(records: Sequence[Record]) -> list[list[Record]]:
     size) that lacks its rank and began nearest in `time`, within SAME_SAVE_S (without times: the
     oldest such save); else it begins a save: a step saved again by a later run is another save, and
     so is a save some rank wrote no record of (it failed inside save(), or was killed). A record
-    without a rank is rank 0's; one without a step is a save of its own."""
+    without a rank is rank 0's; one without a step is a save of its own. A record a later one replaced (`current`)
+    is left out."""
+    records = current(records)
     groups: list[list[Record]] = []
     open_saves: dict[tuple, list[int]] = {}
     for r in records:
@@ -205,6 +250,7 @@ class Summary:
 def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s: float = 0.0) -> Summary:
     """Summary of ``records``; with ``mtbf_s`` (seconds) also the recommended interval for a cost
     of the median per-save ``stall_s + slowdown_s``. Raises CheckpointConfigError for a bad MTBF."""
+    records = current(records)
     good = [r for r in records if succeeded(r)]
     saves = by_save(records)
     good_saves = sum(all(succeeded(r) for r in save) for save in saves)

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -169,6 +169,7 @@ class SaveOutcome:
         self.committed: CommittedStep | None = None  # the step as committed (its manifest's digest and file table)
         self.t_committed = 0.0
         self.stats: SaveStats | None = None  # once recorded; replaced when its step fields are final
+        self.retried: dict[str, Any] | None = None  # its upload, tried again, succeeded: the record's fields it changed
         self.error: BaseException | None = None
         self.error_reported = False
         self.yielded_s: float | None = None  # the worker's: seconds its threads gave the CPU away (save/yielding.py)
@@ -215,7 +216,8 @@ class UploadJob:
 
     @property
     def resumed(self) -> bool:
-        return self.save is None
+        """Resumed at start-up, or tried again: objects of an earlier try may be on the remote tier already."""
+        return self.save is None or self.tries > 1
 
     @property
     def upload_s(self) -> float:

@@ -13,6 +13,7 @@ one whose upload this process resumes gets it when that upload ends.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 from checkpointing.errors import CheckpointError, CheckpointUploadError
 from checkpointing.format import naming
 from checkpointing.observe.accounting import SaveAccounting
-from checkpointing.observe.metrics import SaveStats, last_recorded_step, log_save
+from checkpointing.observe.metrics import SaveStats, failed_uploads, last_recorded_step, log_save
 from checkpointing.save.job import SaveJob, UploadJob
 from checkpointing.save.staging import StagingPool
 from checkpointing.save.uploader import Uploader
@@ -49,6 +50,9 @@ class SaveRecords:
         self._storage: Storage | None = None  # the local tier, once recover() ran
         self._recovering: set[int] | None = None  # resumed uploads whose save has no record yet (None: before recover())
         self._early: dict[int, UploadJob] = {}  # resumed uploads that ended before recover()
+        # saves recorded with their upload failed that a resumed upload (or a try of one) may make durable remotely:
+        # step -> (that record, the upload's tries before this process's)
+        self._upload_failed: dict[int, tuple[dict[str, Any], int]] = {}
 
     def all(self) -> list[SaveStats]:
         with self._lock:
@@ -67,25 +71,61 @@ class SaveRecords:
         self._acct.settle(job.step, stats.ok)
 
     def upload_finished(self, upload: UploadJob) -> None:
-        """After each upload (on the upload thread, before upload.done is set): its save's record,
-        or a log line for an upload resumed at start-up."""
+        """After each upload (on the upload thread, before upload.done is set): its save's record; for a failed
+        upload tried again or one resumed at start-up, a log line, and when it makes a save recorded with its upload
+        failed durable on the remote tier, a second record of that save (SaveStats.upload_tries)."""
         if upload.error is not None:
             upload.error = CheckpointUploadError(upload.step, self._remote, upload.error)
-        if upload.save is not None:
+        if upload.save is not None and upload.tries == 1:
             self.record(upload.save, upload)
+            return
+        if upload.error is not None:
+            upload.error_reported = True  # no save() of this process waits for it: a later one tries again, or says it gave up
+            log.error("checkpointing: %s", upload.error)
+        else:
+            log.info("checkpointing: %s of step %d finished (%.1f MB sent, %.1f MB were there already) -> %s",
+                     "resumed upload" if upload.tries == 1 else f"upload (try {upload.tries})", upload.step,
+                     upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote)
+        if upload.save is not None:
+            if upload.error is None:
+                self._save_uploaded(upload.save, upload)
             return
         with self._lock:
             if self._recovering is None:
                 self._early[upload.step] = upload
-            elif upload.step in self._recovering:
-                self._recovering.discard(upload.step)
-                self._recovered_upload(upload)
-        if upload.error is not None:
-            upload.error_reported = True  # a resumed upload: no save() of this process waits for it
-            log.error("checkpointing: %s", upload.error)
-        else:
-            log.info("checkpointing: resumed upload of step %d finished (%.1f MB sent, %.1f MB were there already) -> %s",
-                     upload.step, upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote)
+            else:
+                self._resumed_ended(upload)
+
+    def _save_uploaded(self, job: SaveJob, upload: UploadJob) -> None:
+        """A save of this process recorded with its upload failed is on the remote tier now: its record, amended,
+        replaces the one in stats() and follows it in metrics.jsonl (unless its cost is not final yet: then it is
+        the one written)."""
+        fields = dict(upload_fields(upload), ok=True, error=None, tier="local+remote")
+        with self._lock:
+            old = job.outcome.stats
+            if old is None:  # not recorded (never the case: the failed try recorded it)
+                return
+            job.outcome.retried = fields
+            new = dataclasses.replace(old, **fields)
+            self._swap(old, new)
+            job.outcome.stats = new
+        if not self._acct.amend(old, new):
+            self._acct.sink.emit(new.as_dict(), now=True)
+
+    def _resumed_ended(self, upload: UploadJob) -> None:
+        """(Under the lock, once recover() ran.) A resumed upload, or a try of one, ended: the recovered record
+        recover() left to it; or, when it succeeded, the second record of a save recorded with its upload failed."""
+        if upload.step in self._recovering:  # type: ignore[operator]
+            self._recovering.discard(upload.step)  # type: ignore[union-attr]
+            ok = upload.error is None
+            stats = self._recovered(upload.step, ok=ok, tier="local+remote" if ok else "local", upload=upload,
+                                    error=None if ok else f"{type(upload.error).__name__}: {upload.error}")
+            if stats is not None and not ok:
+                self._upload_failed[upload.step] = (stats.as_dict(), 0)
+        elif upload.error is None and upload.step in self._upload_failed:
+            rec, tried = self._upload_failed.pop(upload.step)
+            fields = dict(upload_fields(upload), upload_tries=tried + upload.tries, ok=True, error=None, tier="local+remote")
+            self._acct.sink.emit(dict(rec, **fields), now=True)
 
     def recover(self, storage: Storage, *, resumed: set[int], remote: Uploader | None) -> None:
         """At start: a record (SaveStats.recovered) for each step committed on the local tier (or on the
@@ -96,12 +136,14 @@ class SaveRecords:
         its saves from steps copied in)."""
         self._storage = storage
         last = last_recorded_step(self._acct.sink.path, self._rank)
+        earlier = {s for s in resumed if last is not None and s <= last}  # recorded, perhaps with their upload failed
+        failed = failed_uploads(self._acct.sink.path, self._rank, earlier) if earlier else {}
         with self._lock:
             self._recovering = {s for s in resumed if last is not None and s > last}
+            self._upload_failed.update({s: (r, tries) for s, (r, tries) in failed.items()})
             early, self._early = self._early, {}
-            for step in sorted(self._recovering & set(early)):
-                self._recovering.discard(step)
-                self._recovered_upload(early[step])
+            for step in sorted(early):
+                self._resumed_ended(early[step])
         if last is None:
             return
         remote_steps = None if remote is None else remote.remote_steps()
@@ -120,29 +162,38 @@ class SaveRecords:
                 self._recovered(step, ok=False, tier="local", error="CheckpointUploadError: not on the remote tier (its "
                                 "process stopped before uploading it, and this job does not resume that upload)")
 
-    def _recovered_upload(self, upload: UploadJob) -> None:
-        ok = upload.error is None
-        self._recovered(upload.step, ok=ok, tier="local+remote" if ok else "local", upload=upload,
-                        error=None if ok else f"{type(upload.error).__name__}: {upload.error}")
-
     def _recovered(self, step: int, *, ok: bool, tier: str, error: str | None = None, upload: UploadJob | None = None,
-                   where: Storage | None = None) -> None:
+                   where: Storage | None = None) -> SaveStats | None:
         stats = recovered_stats(where or self._storage, step, rank=self._rank, world_size=self._world_size, ok=ok, tier=tier,
                                 error=error, upload=upload)
         if stats is not None:
             self._acct.sink.emit(stats.as_dict(), now=True)
             log.info("checkpointing: step %d was committed by a process that stopped before recording it: recorded now "
                      "(recovered, from its manifest)", step)
+        return stats
 
     def _replace(self, job: SaveJob, old: SaveStats, new: SaveStats) -> None:
         """A save's record gained its step fields (SaveAccounting)."""
         with self._lock:
-            for i in range(len(self._stats) - 1, -1, -1):
-                if self._stats[i] is old:
-                    self._stats[i] = new
-                    break
+            if job.outcome.retried is not None:  # its upload, tried again, succeeded meanwhile (_save_uploaded)
+                old, new = job.outcome.stats or old, dataclasses.replace(new, **job.outcome.retried)
+            self._swap(old, new)
             if job.outcome.stats is old:
                 job.outcome.stats = new
+
+    def _swap(self, old: SaveStats, new: SaveStats) -> None:
+        """(Under the lock.) `new` in place of `old` in all()."""
+        for i in range(len(self._stats) - 1, -1, -1):
+            if self._stats[i] is old:
+                self._stats[i] = new
+                return
+
+
+def upload_fields(upload: UploadJob) -> dict[str, Any]:
+    """The SaveStats fields an upload gives its save's record."""
+    rate = upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0
+    return dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, upload_bytes_per_s=rate,
+                bytes_upload_reused=upload.bytes_present, upload_tries=upload.tries)
 
 
 def stats_of(job: SaveJob, upload: UploadJob | None, *, staging_bytes: int, rank: int, world_size: int) -> SaveStats:
@@ -156,11 +207,7 @@ def stats_of(job: SaveJob, upload: UploadJob | None, *, staging_bytes: int, rank
     end = outcome.t_committed if committed else time.perf_counter()
     t_written = written.t_written if written is not None else 0.0
     write_s = max(0.0, t_written - staging.t_staged) if committed else 0.0
-    remote: dict[str, Any] = {}
-    if upload is not None:
-        rate = upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0
-        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, upload_bytes_per_s=rate,
-                      bytes_upload_reused=upload.bytes_present)
+    remote = upload_fields(upload) if upload is not None else {}
     bytes_written = written.bytes_written if written is not None else 0
     return SaveStats(
         step=inputs.step, ok=ok, error=None if error is None else f"{type(error).__name__}: {error}",
@@ -200,10 +247,7 @@ def recovered_stats(storage: Storage | None, step: int, *, rank: int, world_size
     mine = {f.path: f for f in manifest.files if f.rank == rank}
     refs = [c for t in manifest.tensors for sh in t.shards for chunks in (sh.chunks, *sh.replicas) for c in chunks if c.file in mine]
     reused = [c for c in refs if not c.file.startswith(own)]
-    remote: dict[str, Any] = {}
-    if upload is not None:
-        remote = dict(upload_s=upload.upload_s, bytes_uploaded=upload.bytes_uploaded, bytes_upload_reused=upload.bytes_present,
-                      upload_bytes_per_s=upload.bytes_uploaded / upload.transfer_s if upload.transfer_s > 0 else 0.0)
+    remote = upload_fields(upload) if upload is not None else {}
     return SaveStats(
         step=step, ok=ok, error=error,
         wait_prev_s=None, stall_s=None, guard_wait_s=None, snapshot_s=None, write_s=None, commit_s=None,  # type: ignore[arg-type]

@@ -110,7 +110,8 @@ class Uploader:
                               "if it is newer than the newest remote step)", failed.step, self.remote.url, failed.tries)
                 continue
             log.warning("checkpointing: trying the failed upload of step %d to %s again", failed.step, self.remote.url)
-            self._submit(UploadJob(failed.step, committed=failed.committed, t_local=failed.t_local, sends=failed.sends, tries=failed.tries + 1))
+            self._submit(UploadJob(failed.step, save=failed.save, committed=failed.committed, t_local=failed.t_local, sends=failed.sends,
+                                   tries=failed.tries + 1))
         self._submit(job)
 
     def _due_retries(self, new_step: int) -> list[UploadJob]:

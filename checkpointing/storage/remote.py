@@ -25,10 +25,9 @@ FsspecStorage builds its own filesystem instance. Credentials never appear in `u
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-
-import dataclasses
 import os
 import threading
 import time
@@ -55,10 +54,9 @@ class FsspecStorage:
 
     `storage_options` go to the fsspec filesystem (s3: endpoint_url, key, secret, token,
     client_kwargs, config_kwargs...). Uploads run `max_concurrency` parts of `part_bytes` at a time,
-    paced to `max_bytes_per_s` if set. `retry`: the policy for transient errors (settable later).
-    `own_loop`: an async filesystem (s3fs) runs on an event loop of this storage's own, on the
-    thread `ckpt-remote-io`, not on fsspec's loop shared by the process (storage/ioloop.py; the
-    manager's remote tier). Call close() to stop the upload threads.
+    paced to `max_bytes_per_s` if set. `retry`: the policy for transient errors (settable later). `own_loop`: an
+    async filesystem (s3fs) runs on an event loop of this storage's own, on the thread `ckpt-remote-io`, not on
+    fsspec's loop shared by the process (storage/ioloop.py; the manager's remote tier). close() stops the upload threads.
     """
 
     def __init__(
@@ -80,6 +78,7 @@ class FsspecStorage:
                                    max_concurrency=max_concurrency, max_bytes_per_s=max_bytes_per_s)
         self.endpoint = open_endpoint(url, protocol, self.url, storage_options, retry=retry, max_concurrency=max_concurrency,
                                       own_loop=own_loop)
+        self._reopen = functools.partial(open_endpoint, url, protocol, self.url, storage_options, max_concurrency=max_concurrency)
         self.protocol, self.is_s3, self.root = protocol, self.endpoint.is_s3, self.endpoint.root
         self.supports_conditional_create = self.is_s3 or self.endpoint.is_local or self.endpoint.is_memory
 
@@ -118,11 +117,12 @@ class FsspecStorage:
             self.endpoint.ioloop.on_thread(hook)
 
     def close(self, *, final: bool = False) -> None:
-        """Stop the upload threads (after the uploads they run); the storage stays usable, unless `final` (a manager's
-        close()): then its own event loop and threads stop too (their hooks refer to it: collection never would)."""
+        """Stop the upload threads (after their uploads). With `final` (a manager's close()) its own event loop and threads
+        stop too (their hooks refer to it); later requests (a closed manager's tiers()) use fsspec's shared loop."""
         self.transfers.close()
         if final and self.endpoint.ioloop is not None:
             self.endpoint.ioloop.close()
+            self.endpoint = self._reopen(retry=self.retry)
 
     # ------------------------------------------------------------ Storage protocol
 
