@@ -65,6 +65,18 @@ def _policies(among: set[threading.Thread]) -> dict[str, int | None]:
     return out
 
 
+def _pool_policies(among: set[threading.Thread]) -> dict[str, int]:
+    """The scheduling policy of each thread of the remote tier's event loop executor started since `among` was taken."""
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith("ckpt-remote-io-pool") and t not in among and t.native_id is not None and t.is_alive():
+            try:
+                out[t.name] = os.sched_getscheduler(t.native_id)
+            except OSError:
+                pass
+    return out
+
+
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))  # 8 MiB of fp32
@@ -89,6 +101,8 @@ def test_an_upload_yields_until_waited_for_and_restores_bit_exact(tmp_path, s3_b
         handle = mgr.save(1, {"model": model, "optim": opt})
         _until(gate.waiting.is_set, "a part upload is in flight")
         _until(lambda: _policies(before) == {name: IDLE for name in UPLOAD_THREADS}, "every upload thread at SCHED_IDLE")
+        # the loop's executor threads too, also one started before the first upload (the first requests' DNS lookups)
+        _until(lambda: set(_pool_policies(before).values()) <= {IDLE}, "every I/O pool thread at SCHED_IDLE")
         waited = threading.Thread(target=mgr.wait if waiter == "manager" else handle.wait, daemon=True)
         waited.start()  # something waits: back at normal priority before the upload may go on
         _until(lambda: _policies(before) == {name: OTHER for name in UPLOAD_THREADS}, "every upload thread at normal priority")

@@ -18,6 +18,7 @@ about priorities.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import weakref
@@ -56,23 +57,38 @@ class IoLoop:
         self.hooks = ThreadHooks()
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_quiet)
-        self.loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=f"{name}-pool", initializer=self.hooks.run))
+        self._name = name
+        self._retired: list[ThreadPoolExecutor] = []  # executors replaced by on_thread(): shut down, joined at close
+        self._executor = self._new_executor()
         self._closers: list[Callable[[], Awaitable[Any]]] = []
         ready = threading.Event()
         self.thread = threading.Thread(target=_serve, args=(self.loop, ready), name=name, daemon=True)
         self.thread.start()
         ready.wait()
         # the thread holds the loop, not this object: when the IoLoop goes, so do the thread and the loop
-        self._finish = weakref.finalize(self, _finish, self.loop, self.thread, self._closers)
+        self._finish = weakref.finalize(self, _finish, self.loop, self.thread, self._closers, self._retired)
+
+    def _new_executor(self) -> ThreadPoolExecutor:
+        executor = ThreadPoolExecutor(thread_name_prefix=f"{self._name}-pool", initializer=self.hooks.run)
+        self.loop.set_default_executor(executor)
+        return executor
 
     def on_thread(self, hook: Callable[[], None]) -> None:
-        """Run `hook` on the loop's thread now (waiting for it), and on every thread of the loop's
-        default executor started from now on."""
+        """Run `hook` on the loop's thread now (waiting for it), and on every thread of the loop's default executor
+        from now on: the executor is replaced (threads it started before, e.g. for the first requests' DNS lookups,
+        never ran the hook); the old one's threads end once their call returns."""
         self.hooks.add(hook)
         if threading.current_thread() is self.thread:
-            hook()
+            self._hooked(hook)
             return
-        asyncio.run_coroutine_threadsafe(_call(hook), self.loop).result()
+        asyncio.run_coroutine_threadsafe(_call(functools.partial(self._hooked, hook)), self.loop).result()
+
+    def _hooked(self, hook: Callable[[], None]) -> None:
+        """On the loop's thread: `hook` here, and a fresh default executor."""
+        hook()
+        old, self._executor = self._executor, self._new_executor()
+        old.shutdown(wait=False)
+        self._retired.append(old)
 
     def at_close(self, closer: Callable[[], Awaitable[Any]]) -> None:
         """Await `closer()` on the loop before it stops (what was opened on it: an HTTP session)."""
@@ -98,7 +114,8 @@ async def _await(closer: Callable[[], Awaitable[Any]]) -> None:
     await closer()
 
 
-def _finish(loop: asyncio.AbstractEventLoop, thread: threading.Thread, closers: list[Callable[[], Awaitable[Any]]]) -> None:
+def _finish(loop: asyncio.AbstractEventLoop, thread: threading.Thread, closers: list[Callable[[], Awaitable[Any]]],
+            retired: list[ThreadPoolExecutor]) -> None:
     if loop.is_closed():
         return
     if thread is not threading.current_thread() and loop.is_running():
@@ -111,6 +128,8 @@ def _finish(loop: asyncio.AbstractEventLoop, thread: threading.Thread, closers: 
             asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(timeout=5.0)
         except Exception as exc:  # noqa: BLE001 - closing must go on
             log.debug("checkpointing: stopping the remote tier's I/O pool failed: %s", exc)
+        for executor in retired:  # their threads end with the call they run, if any
+            executor.shutdown(wait=True)
     try:
         loop.call_soon_threadsafe(loop.stop)
     except RuntimeError:  # closed meanwhile
