@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from checkpointing import CheckpointManager, CheckpointSaveError, CheckpointTimeoutError, SaveStats
+from checkpointing import CheckpointError, CheckpointManager, CheckpointSaveError, CheckpointTimeoutError, SaveStats
 
 
 def test_result_done_and_callbacks(tmp_path):
@@ -97,3 +97,51 @@ def test_a_read_only_manager_starts_no_thread_and_a_writing_one_only_at_its_firs
     for _ in range(3):
         assert CheckpointManager(tmp_path, read_only=True).steps() == [1]
     assert io_threads() <= before
+
+
+@pytest.mark.parametrize("saved_before", [True, False])
+def test_a_save_racing_close_on_another_thread_raises_instead_of_hanging(tmp_path, saved_before):
+    """A shutdown path calls close() while the training thread is inside save() (here: in the state's iteration, as a
+    slow state_dict() would be): save() raises that the manager was closed, the step is not written, and nothing hangs
+    (its job went to the stopped ckpt-io thread, and save() waited for it for ever)."""
+    import collections.abc
+
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowState(collections.abc.Mapping):
+        def __init__(self, d: dict) -> None:
+            self.d = d
+
+        def __getitem__(self, k):
+            return self.d[k]
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+        def __iter__(self):
+            entered.set()
+            release.wait(60)
+            return iter(self.d)
+
+    mgr = CheckpointManager(tmp_path)
+    if saved_before:
+        mgr.save(0, {"w": torch.zeros(64)}).wait()  # the ckpt-io thread runs
+    outcome: list[BaseException | str] = []
+
+    def saver() -> None:
+        try:
+            mgr.save(1, SlowState({"w": torch.ones(64)})).wait()
+            outcome.append("saved")
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    t = threading.Thread(target=saver, daemon=True)
+    t.start()
+    assert entered.wait(60)
+    mgr.close()
+    release.set()
+    t.join(120)
+    assert not t.is_alive(), "save() still blocked after close()"
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError) and "closed" in str(outcome[0]), outcome
+    with CheckpointManager(tmp_path, read_only=True) as ro:
+        assert ro.steps() == ([0] if saved_before else [])

@@ -13,6 +13,7 @@ import queue
 import threading
 from typing import Callable, Generic, TypeVar
 
+from checkpointing.errors import CheckpointError
 from checkpointing.save.yielding import CpuYield
 
 Item = TypeVar("Item")
@@ -31,17 +32,23 @@ class SerialThread(Generic[Item]):
         self._cpu = cpu
         self._queue: queue.Queue[Item | None] = queue.Queue()
         self._unfinished = 0  # items put and not yet handled
+        self._closed = False
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         if not lazy:
             self._thread.start()
 
     def put(self, item: Item) -> None:
-        with self._idle:
+        """Queue `item`; CheckpointError once close() began (a save() that raced the manager's close() on another
+        thread: the item would never run, and whoever waits for it would wait forever)."""
+        with self._idle:  # the item goes in before a close()'s stop, or put() raises
+            if self._closed:
+                raise CheckpointError("this CheckpointManager was closed (by another thread) while this call ran: nothing was "
+                                      "saved; create a new one")
             self._unfinished += 1
             if self._thread.ident is None:
                 self._thread.start()
-        self._queue.put(item)
+            self._queue.put(item)
 
     def busy(self) -> bool:
         """An item is running or queued."""
@@ -58,8 +65,9 @@ class SerialThread(Generic[Item]):
         return not self._queue.empty()
 
     def close(self) -> None:
-        """Stop once the items put so far have run."""
+        """Stop once the items put so far have run; put() raises from now on."""
         with self._idle:
+            self._closed = True
             if self._thread.ident is None:
                 return  # never started: nothing was put
         self._queue.put(None)
