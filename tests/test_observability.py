@@ -145,6 +145,43 @@ def test_a_failing_callback_is_logged_and_saving_goes_on(tmp_path, caplog):
     assert caplog.text.count("RuntimeError: dashboard down") == 1 and "raised 3 times" in caplog.text
 
 
+def test_a_callback_that_blocks_holds_back_no_line_of_metrics_jsonl(tmp_path, one_torch_thread):
+    """A slow on_metrics (a network logger) delays neither the lines of metrics.jsonl nor the saves: every record whose
+    cost is final is in the file while the callback still blocks on the first one (a process killed then has written
+    them; the next manager could not recover a step retention removed). close() delivers the rest, in order."""
+    import threading
+
+    release, calls = threading.Event(), []
+
+    def stuck(record):
+        calls.append(record["step"])
+        release.wait(300)
+
+    model, opt = mlp()
+    ck = tmp_path / "ck"
+    mgr = CheckpointManager(ck, keep_local=2, on_metrics=stuck)
+    try:
+        for step in range(1, 26):
+            train_step(model, opt)  # the optimizer hook marks steps: records are finished at these boundaries
+            if step % 4 == 0:
+                mgr.save(step, {"model": model, "optim": opt}).wait()
+        final = [s.step for s in mgr.stats() if s.cost_s is not None]
+        assert final[:5] == [4, 8, 12, 16, 20], final
+
+        def written() -> list[int]:
+            path = ck / "metrics.jsonl"
+            return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+
+        deadline = time.monotonic() + 120  # a bound for a hang, not a timing
+        while written() != final and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert written() == final and calls == [4]  # the callback is still on the first record
+    finally:
+        release.set()
+        mgr.close()
+    assert calls == [4, 8, 12, 16, 20, 24] and written() == calls
+
+
 @pytest.mark.parametrize("kwargs, option", [
     ({"interval": 0}, "interval"), ({"interval": "sometimes"}, "interval"), ({"interval": True}, "interval"),
     ({"interval": "auto"}, "mtbf_s"), ({"interval": "auto", "mtbf_s": -1.0}, "mtbf_s"), ({"mtbf_s": 3600.0}, "mtbf_s"),

@@ -4,7 +4,8 @@ makes each SaveStats from its job).
 
 A save's record is complete once its step-time cost is final (steptime.py: after the steps that
 ran during its background work). Until then `mgr.stats()` and `handle.wait()` show it without the
-step fields; `metrics.jsonl` and `on_metrics` get it once, complete (see SaveAccounting).
+step fields; `metrics.jsonl` and `on_metrics` get it once, complete (see SaveAccounting), and once more
+when its upload failed and a later try succeeds (SaveStats.upload_tries).
 """
 
 from __future__ import annotations
@@ -266,13 +267,14 @@ class MetricsSink:
     """Where finished records go: `metrics.jsonl`, then the user's `on_metrics` callback.
 
     `emit(record, now=True)` appends the line on the calling (background) thread; `now=False`
-    (from the training thread) leaves the append to the sink's own thread. The callback always
-    runs on the sink's thread ("ckpt-metrics": started here when there is a callback, so that it
-    never inherits the CPU priority of a yielding background thread, save/yielding.py; otherwise at
-    the first record the training thread leaves to it), in the order records were emitted, so a
-    slow callback (a network logger) delays neither training nor saving. An exception in the
-    callback is logged (the first with its traceback) and never reaches a save. `close()` delivers
-    what is queued, then stops the thread.
+    (from the training thread) leaves the append to the sink's writer thread ("ckpt-metrics-write",
+    started at the first such record), which appends nothing else. The callback always runs on the
+    sink's callback thread ("ckpt-metrics": started here when there is a callback, so that it never
+    inherits the CPU priority of a yielding background thread, save/yielding.py), in the order records
+    were emitted, so a slow callback (a network logger) delays neither training, nor saving, nor the
+    lines in the file (a process killed while callbacks queue up has written every record that was
+    final). An exception in the callback is logged (the first with its traceback) and never reaches a
+    save. `close()` writes and delivers what is queued, then stops the threads.
     """
 
     def __init__(self, path: os.PathLike | str, callback: Callable[[dict[str, Any]], Any] | None = None) -> None:
@@ -280,49 +282,33 @@ class MetricsSink:
         self.callback = callback
         self.callback_errors = 0
         self.append_errors = 0  # the first failed append is a warning, the later ones debug lines
-        self._queue: queue.Queue[tuple[dict[str, Any], bool] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._lines: _Worker = _Worker("ckpt-metrics-write", self._append)
+        self._calls: _Worker = _Worker("ckpt-metrics", self._call)
         if callback is not None:
-            self._start()
-
-    def _start(self) -> None:
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ckpt-metrics", daemon=True)
-                self._thread.start()
+            self._calls.start()
 
     def emit(self, record: dict[str, Any], *, now: bool) -> None:
         if now:
             self._append(record)
-        if self.callback is not None or not now:
-            self._start()
-            self._queue.put((record, not now))
+        else:
+            self._lines.put(record)
+        if self.callback is not None:
+            self._calls.put(record)
 
     def close(self) -> None:
-        with self._start_lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
+        self._lines.close()
+        self._calls.close()
         if self.callback_errors > 1:
             log.warning("checkpointing: the on_metrics callback raised %d times in all", self.callback_errors)
 
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            record, write = item
-            if write:
-                self._append(record)
-            if self.callback is not None:
-                try:
-                    self.callback(dict(record))
-                except Exception:  # noqa: BLE001 - the user's code: log it, keep saving
-                    self.callback_errors += 1
-                    if self.callback_errors == 1:
-                        log.warning("checkpointing: the on_metrics callback raised (logged once; saving goes on)", exc_info=True)
+    def _call(self, record: dict[str, Any]) -> None:
+        assert self.callback is not None
+        try:
+            self.callback(dict(record))
+        except Exception:  # noqa: BLE001 - the user's code: log it, keep saving
+            self.callback_errors += 1
+            if self.callback_errors == 1:
+                log.warning("checkpointing: the on_metrics callback raised (logged once; saving goes on)", exc_info=True)
 
     def _append(self, record: dict[str, Any]) -> None:
         try:
@@ -331,3 +317,38 @@ class MetricsSink:
             self.append_errors += 1
             log.log(logging.WARNING if self.append_errors == 1 else logging.DEBUG, "checkpointing: could not append metrics to %s: %s "
                     "(the saves go on without their metrics lines; said once)", self.path, exc)
+
+
+class _Worker:
+    """A daemon thread named `name` calling `handle(record)` for each record put, in order; started at the first
+    put() (or start()); close() lets it finish what is queued, then joins it."""
+
+    def __init__(self, name: str, handle: Callable[[dict[str, Any]], None]) -> None:
+        self._name, self._handle = name, handle
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+
+    def put(self, record: dict[str, Any]) -> None:
+        self.start()
+        self._queue.put(record)
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _loop(self) -> None:
+        while (record := self._queue.get()) is not None:
+            try:
+                self._handle(record)
+            except Exception:  # noqa: BLE001 - a bug here must not stop the later records
+                log.exception("checkpointing: %s: unexpected error (the thread goes on with the next record)", self._name)
