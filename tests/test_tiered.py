@@ -322,6 +322,45 @@ def test_an_upload_that_failed_and_is_resumed_by_the_next_process_records_its_sa
     assert code == 0 and [(r["step"], r["ok"]) for r in doc["saves"]] == [(1, True)] and doc["summary"]["failed"] == 0
 
 
+def test_a_replacement_node_keeps_the_runs_metrics_history_on_the_remote_tier(tmp_path, s3_bucket, run_cli):
+    """docs/observability.md: the copy of metrics.jsonl on the remote tier is there for `report URL` after the node is
+    gone. A replacement node (an empty local directory) takes the copy's records first, so its own uploads do not put
+    a shorter file over the history; the node that comes back later keeps what the other one added, in time order."""
+    from checkpointing.save.metrics_copy import merged
+
+    o = s3_bucket[1]
+    opts = ["-o", f"endpoint_url={o['endpoint_url']}", "-o", f"key={o['key']}", "-o", f"secret={o['secret']}",
+            "-o", "client_kwargs.region_name=us-east-1"]
+
+    def reported(where: str) -> list[int]:
+        code, out = run_cli("report", where, "--json", *(opts if "://" in where else []))
+        assert code == 0, out
+        return [r["step"] for r in json.loads(out)["saves"]]
+
+    node_a, node_b = tmp_path / "a", tmp_path / "b"
+    with manager(node_a, s3_bucket) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step)).wait()
+    assert reported(s3_bucket[0]) == [1, 2, 3]
+    with manager(node_b, s3_bucket) as mgr:  # node a is gone: a new one resumes from the remote tier
+        target = blank()
+        assert mgr.restore(target) == 3 and same(target, state(3))
+        for step in (4, 5):
+            mgr.save(step, state(step)).wait()
+    assert reported(s3_bucket[0]) == [1, 2, 3, 4, 5] == reported(str(node_b))
+    with manager(node_a, s3_bucket) as mgr:  # node a comes back: its file lacks 4 and 5
+        assert mgr.restore(blank()) == 5
+        mgr.save(6, state(6)).wait()
+    assert reported(s3_bucket[0]) == [1, 2, 3, 4, 5, 6] == reported(str(node_a))
+    # the merge itself: lines the local file lacks, each once, by time; a line without a time keeps its neighbour's
+    local = b'{"step": 1, "time": 10}\n{"step": 4, "time": 40}\n'
+    remote = b'{"step": 1, "time": 10}\n{"step": 2, "time": 20}\nnot json\n{"step": 2, "time": 20}\n{"step": 3, "time": 30}\n'
+    data, added = merged(local, remote)
+    assert added == 3 and data.splitlines() == [b'{"step": 1, "time": 10}', b'{"step": 2, "time": 20}', b"not json",
+                                                b'{"step": 3, "time": 30}', b'{"step": 4, "time": 40}']
+    assert merged(local, local) == (local, 0)
+
+
 def test_local_retention_keeps_a_step_whose_upload_failed_until_it_is_uploaded(tmp_path, s3_bucket):
     """docs/design.md: the only copy of a step is never deleted before it is durable elsewhere."""
     with manager(tmp_path / "local", s3_bucket) as mgr:  # keep_local=2, every step kept remotely

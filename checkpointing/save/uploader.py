@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from checkpointing.save import metrics_copy
 from checkpointing.save.pending_uploads import PendingUploads
 from checkpointing.save.serial import SerialThread
 from checkpointing.save.yielding import CpuYield
@@ -58,7 +59,6 @@ from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.format.manifest import CommittedStep
 from checkpointing.plan.resume import ResumeOffer, resume_plan
 from checkpointing.plan.retention import RetentionPolicy, StepInfo
-from checkpointing.observe.metrics import metrics_bytes
 from checkpointing.save.job import UploadJob
 from checkpointing.storage import FsspecStorage, LocalStorage
 
@@ -233,15 +233,8 @@ class Uploader:
     def _mirror_metrics(self) -> None:
         """Rank 0: the local tier's metrics.jsonl to the remote tier, for `checkpointing report URL` (best
         effort: it lags the local file by the records not yet final)."""
-        if self.rank != 0:
-            return
-        data = metrics_bytes(Path(self.local.root, naming.METRICS_NAME))
-        if not data:
-            return
-        try:
-            self.remote.put(naming.METRICS_NAME, data)
-        except (OSError, CheckpointError) as exc:
-            log.warning("checkpointing: could not copy %s to %s: %s", naming.METRICS_NAME, self.remote.url, exc)
+        if self.rank == 0:
+            metrics_copy.mirror(self.local, self.remote)
 
     def _upload_own(self, job: UploadJob) -> None:
         """Send this rank's files of the step. Files of earlier steps (an incremental save's) that
@@ -317,6 +310,8 @@ def start_uploader(
     uploader = Uploader(local, remote, coord.remote_committer(local, remote), rank=coord.rank, keep_remote=keep_remote, on_finish=on_finish, pending=pending,
                         cpu=CpuYield(yield_s), world_size=coord.world_size)
     uploader.saw_remote(added=set(listing.committed))
+    if coord.rank == 0:  # before the collective call below: no rank of this job has appended a record yet
+        metrics_copy.adopt(local, remote)
     mine = resume_offers(local, listing.committed)
     stale = _pins_quietly(remote, mine) if coord.rank == 0 else {}  # before agreeing: no upload of this job has pinned yet
     offers = [{int(s): ResumeOffer.from_json(o) for s, o in got.items()}
