@@ -9,6 +9,7 @@ must be incremental against it. Nothing mocked.
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 import torch
@@ -277,3 +278,97 @@ def test_a_dcp_directory_or_a_torch_save_file_opened_as_ours_says_to_import_it(t
         checkpointing.load(tmp_path / "model.pt")
     with pytest.raises(CheckpointConfigError, match="is a file.*checkpointing import"):
         CheckpointManager(tmp_path / "model.pt")
+
+
+def test_a_torch_export_brings_lists_tuples_and_int_keys_back_as_saved(tmp_path):
+    """README: an export comes back in the layout it was saved in. Its names join every path with "/": the file's
+    "layout" says where a list, a tuple or an int-keyed dict (an optimizer's state) was, and import rebuilds them;
+    only= and strip_prefix map past what they leave out; a file written before "layout" still imports (as dicts)."""
+    from checkpointing.interop import export_torch
+
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saved = {"lst": [torch.ones(2), torch.arange(3.0)], "tup": (torch.zeros(1), [torch.ones(1)]), "optim": opt.state_dict(),
+             "byname": {"0": torch.full((2,), 5.0)}}  # str keys that look like ints stay str
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, saved).wait()
+    export_torch(tmp_path / "run", tmp_path / "full.pt")
+    import_checkpoint(tmp_path / "full.pt", tmp_path / "ck", 1)
+    back = checkpointing.load(tmp_path / "ck")
+    assert isinstance(back["lst"], list) and [t.tolist() for t in back["lst"]] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
+    assert isinstance(back["tup"], tuple) and isinstance(back["tup"][1], list) and torch.equal(back["tup"][1][0], torch.ones(1))
+    assert sorted(back["optim"]["state"]) == [0, 1] and torch.equal(back["optim"]["state"][1]["exp_avg"], opt.state_dict()["state"][1]["exp_avg"])
+    assert list(back["byname"]) == ["0"]
+    target = {"lst": [torch.zeros(2), torch.zeros(3)], "tup": (torch.ones(1), [torch.zeros(1)])}
+    with CheckpointManager(tmp_path / "ck", read_only=True) as mgr:
+        assert mgr.restore(target, only=["lst", "tup"]) == 1
+    assert torch.equal(target["lst"][1], torch.arange(3.0)) and torch.equal(target["tup"][0], torch.zeros(1))
+    export_torch(tmp_path / "run", tmp_path / "opt.pt", only="optim")  # names "state/0/exp_avg", ...
+    import_checkpoint(tmp_path / "opt.pt", tmp_path / "ck2", 1)
+    assert sorted(checkpointing.load(tmp_path / "ck2")["state"]) == [0, 1]
+    export_torch(tmp_path / "run", tmp_path / "lst.pt", strip_prefix="tu")  # "tup/1/0" -> "p/1/0": segments kept
+    import_checkpoint(tmp_path / "lst.pt", tmp_path / "ck4", 1)
+    assert isinstance(checkpointing.load(tmp_path / "ck4")["p"], tuple)
+    old = torch.load(tmp_path / "full.pt", weights_only=True)
+    del old["layout"]
+    torch.save(old, tmp_path / "old.pt")
+    import_checkpoint(tmp_path / "old.pt", tmp_path / "ck3", 1)
+    assert sorted(checkpointing.load(tmp_path / "ck3")["lst"]) == ["0", "1"]
+
+
+def test_a_dcp_directory_with_a_damaged_data_file_is_refused_clearly_and_nothing_is_written(tmp_path, run_cli):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(1000), "b": torch.zeros(10)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    data = sorted((tmp_path / "dcp").glob("*.distcp"))[0]
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointConfigError, match="DCP could not read its data files"):
+        import_checkpoint(tmp_path / "dcp", tmp_path / "ck", 0)
+    code, text = run_cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck"), "--step", "0")
+    assert code == 2 and "Traceback" not in text and ".distcp file missing, or cut short" in text, text
+    data.unlink()
+    code, text = run_cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck"), "--step", "0")
+    assert code == 2 and "Traceback" not in text, text
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_sharded_hugging_face_directory_follows_its_index_and_refuses_a_tensor_it_lacks(tmp_path):
+    """The weight map says which file holds each tensor (from_pretrained follows it): a second copy in another file is
+    not taken, and a name no file holds where the index says is refused, before anything is committed."""
+    from safetensors.torch import save_file
+
+    f1, f2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+    def hf(name: str, second: dict, weight_map: dict):
+        d = tmp_path / name
+        d.mkdir()
+        save_file({"a": torch.ones(3), "b": torch.ones(2)}, str(d / f1), metadata={"format": "pt"})
+        save_file(second, str(d / f2), metadata={"format": "pt"})
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        return d
+
+    src = hf("hf", {"a": torch.full((3,), 7.0), "c": torch.ones(2)}, {"a": f1, "b": f1, "c": f2})
+    import_checkpoint(src, tmp_path / "ck", 0)
+    back = checkpointing.load(tmp_path / "ck")
+    assert sorted(back) == ["a", "b", "c"] and torch.equal(back["a"], torch.ones(3))
+    src = hf("hf2", {"c": torch.ones(2)}, {"a": f1, "b": f1, "lm_head.weight": f1, "c": f2})
+    with pytest.raises(CheckpointConfigError, match=r"lacks 1 tensor\(s\) the index assigns to it \(lm_head.weight\)"):
+        import_checkpoint(src, tmp_path / "ck2", 0)
+    assert not (tmp_path / "ck2").exists()
+
+
+def test_a_failed_import_writes_nothing_to_the_destination(tmp_path):
+    """A value the manager cannot save (a set in a DCP checkpoint, a sparse tensor in a torch.save file) is refused
+    before the destination is opened: no directory, no TIER, no lock left behind."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2), "s": {1, 2}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    with pytest.raises(CheckpointConfigError, match="exclude"):
+        import_checkpoint(tmp_path / "dcp", tmp_path / "ck", 0)
+    torch.save({"w": torch.ones(2), "s": torch.eye(3).to_sparse()}, tmp_path / "sparse.pt")
+    with pytest.raises(CheckpointConfigError):
+        import_checkpoint(tmp_path / "sparse.pt", tmp_path / "ck", 0)
+    assert not (tmp_path / "ck").exists()

@@ -33,6 +33,7 @@ from checkpointing.interop.readers import Loaded, detect, read, source_path
 from checkpointing.interop.types import Conversion, ImportResult
 from checkpointing.manager import CheckpointManager
 from checkpointing.restore.selection import Selection, unmatched
+from checkpointing.state.tree import flatten_state
 
 STAGING_BYTES = 64 << 20  # the ring the step is written through
 
@@ -128,6 +129,10 @@ def _commit(dest: str | os.PathLike, step: int, state: dict[str, Any], storage_o
     remote = url if "://" in url else None
     if remote is None and storage_options:
         raise CheckpointConfigError(f"storage_options apply to a URL destination (s3://bucket/prefix), not to the directory {url!r}")
+    try:  # before anything is written to the destination (a manager opened on it writes its TIER and lock)
+        flatten_state(state, eager=True)
+    except StateError as exc:  # a value of the source that is neither a tensor nor JSON-like
+        raise CheckpointConfigError(f"{exc}; or leave it out of the import: exclude=[KEY] (CLI: --exclude KEY)") from None
     local = tempfile.mkdtemp(prefix="ckpt-import-") if remote else url
     try:
         with CheckpointManager(local, remote=remote, storage_options=storage_options, keep_local=None, keep_remote=None,

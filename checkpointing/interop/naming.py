@@ -49,6 +49,8 @@ class Named:
     name: str
     entry: TensorEntry
     aliases: tuple[str, ...] = ()
+    path: KeyPath = ()  # the manifest path it is written for
+    dropped: int = 0  # of which the leading segments the name leaves out (the root every `only` pattern spells out)
 
 
 def name_tensors(manifest: Manifest, conv: Conversion, style: Style) -> list[Named]:
@@ -83,7 +85,7 @@ def name_tensors(manifest: Manifest, conv: Conversion, style: Style) -> list[Nam
                 )
             name, n = f"{names[0]}#{n}", n + 1  # the ranks held different tensors under this key
         owner[name] = sel[0]
-        out.append(Named(name, entry, tuple(a for a in dict.fromkeys(names[1:]) if a != names[0])))
+        out.append(Named(name, entry, tuple(a for a in dict.fromkeys(names[1:]) if a != names[0]), sel[0], drop))
     strip.check()
     return out
 
@@ -98,6 +100,31 @@ def tensor_paths(manifest: Manifest) -> dict[int, list[KeyPath]]:
         seen = out.setdefault(index, [])
         if path not in seen:
             seen.append(path)
+    return out
+
+
+def container_kinds(manifest: Manifest) -> dict[KeyPath, str]:
+    """Path -> the kind of container saved there, where it is not a dict with str keys: "list", "tuple", or "int-keys"
+    (a dict whose keys are ints, as an optimizer's "state"). Names joined with "/" lose these; an export keeps them."""
+    out: dict[KeyPath, str] = {}
+
+    def walk(node: Any, path: KeyPath) -> None:
+        if not isinstance(node, dict):
+            return
+        if "stateful" in node:
+            walk(node["stateful"], path)
+        elif "dict" in node:
+            if node["dict"] and all(isinstance(k, int) for k, _ in node["dict"]):
+                out[path] = "int-keys"
+            for key, child in node["dict"]:
+                walk(child, path + (key,))
+        elif "list" in node or "tuple" in node:
+            out[path] = "list" if "list" in node else "tuple"
+            for i, child in enumerate(node.get("list", node.get("tuple"))):
+                walk(child, path + (i,))
+
+    for tree in manifest.trees:
+        walk(tree, ())
     return out
 
 

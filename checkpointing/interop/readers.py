@@ -9,11 +9,13 @@ What SRC is decides how it is read (`detect`):
   there. Import only DCP checkpoints you trust.
 - "torch": a torch.save file, read with torch.load(weights_only=True) (no arbitrary objects),
   memory-mapped when it is a zip file (what torch.save writes since 1.6). A file `export_torch`
-  wrote ({"step", "world_size", "tensors": {"model/0.weight": ...}}) comes back as the nested
-  state its keys name ({"model": {"0.weight": ...}}): its tensors restore where they were saved from.
+  wrote ({"step", "world_size", "tensors": {"model/0.weight": ...}, "layout"}) comes back as the nested
+  state its keys name ({"model": {"0.weight": ...}}), with the lists, tuples and int-keyed dicts its
+  "layout" names: its tensors restore where they were saved from.
 - "safetensors": a .safetensors file: {name: tensor}, memory-mapped.
-- "hf": a Hugging Face directory: the files its `*.safetensors.index.json` weight map names (read
-  one after the other into the one state), else its single `*.safetensors` file.
+- "hf": a Hugging Face directory: the files its `*.safetensors.index.json` weight map names, each for
+  the tensors the map assigns to it (as from_pretrained reads them; one it assigns and the file lacks
+  is refused), else its single `*.safetensors` file.
 A directory of this library's checkpoints is refused (it needs no import).
 
 `only` / `exclude` select by "/"-joined key of the state as read (dcp: "model/0.weight"; a
@@ -40,6 +42,7 @@ from checkpointing.restore.selection import Selection
 from checkpointing.state.tree import join_key
 
 KINDS = ("dcp", "torch", "safetensors", "hf")
+_KINDS = ("list", "tuple", "int-keys")  # of containers, in an exported torch file's "layout"
 _ZIP = b"PK\x03\x04"
 
 
@@ -93,6 +96,7 @@ def read(src: Path, kind: str, select: Selection) -> Loaded:
 
 def _read_dcp(src: Path, select: Selection) -> Loaded:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(src))
@@ -111,7 +115,12 @@ def _read_dcp(src: Path, select: Selection) -> Loaded:
     if state:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(state, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:  # a BaseException: its failures per rank hold what went wrong
+                causes = [f"{type(e).__name__}: {e}" for e, _ in getattr(exc, "failures", {}).values()] or [str(exc)]
+                raise CheckpointConfigError(f"{src}: DCP could not read its data files ({' '.join(causes[0].split())[:300]}): is a .distcp file "
+                                            "missing, or cut short? Copy the checkpoint whole and import it again") from None
     _optimizer_ids(state)
     return Loaded("dcp", state, keys=keys)
 
@@ -142,29 +151,61 @@ def _read_torch(src: Path, select: Selection) -> Loaded:
     elif _exported(obj):  # export_torch's file: its keys ("model/0.weight") name the nested state they came from
         state: dict[str, Any] = {}
         for key, tensor in obj["tensors"].items():
-            _set(state, tuple(re.sub("%(25|2F)", lambda m: "%" if m.group(1) == "25" else "/", s) for s in key.split("/")), tensor)
+            _set(state, _segments(key), tensor)
+        for prefix, kind in sorted(obj.get("layout", {}).items(), key=lambda item: -item[0].count("/")):  # the deepest first
+            _rebuild(state, _segments(prefix), kind)
         obj = state
     keys: set[str] = set()
     return Loaded("torch", _select(obj, (), select, keys), keys=keys)
 
 
 def _exported(obj: dict) -> bool:
-    """The layout torch_export.py writes: {"step": int, "world_size": int, "tensors": {str: Tensor}}."""
-    tensors = obj.get("tensors")
-    return (set(obj) == {"step", "world_size", "tensors"} and isinstance(obj["step"], int) and isinstance(obj["world_size"], int)
-            and isinstance(tensors, dict) and all(isinstance(k, str) and k and isinstance(v, torch.Tensor) for k, v in tensors.items()))
+    """The layout torch_export.py writes: {"step": int, "world_size": int, "tensors": {str: Tensor}, "layout": {str: str}}
+    ("layout" since it was added: files written before have none)."""
+    tensors, layout = obj.get("tensors"), obj.get("layout", {})
+    return (set(obj) - {"layout"} == {"step", "world_size", "tensors"} and isinstance(obj["step"], int)
+            and isinstance(obj["world_size"], int) and isinstance(tensors, dict)
+            and all(isinstance(k, str) and k and isinstance(v, torch.Tensor) for k, v in tensors.items())
+            and isinstance(layout, dict) and all(isinstance(k, str) and k and v in _KINDS for k, v in layout.items()))
 
 
-def _read_safetensors(src: Path, select: Selection, loaded: Loaded | None = None) -> Loaded:
+def _segments(key: str) -> tuple[str, ...]:
+    """A "/"-joined key's segments, unescaped ("%2F" is "/", "%25" is "%")."""
+    return tuple(re.sub("%(25|2F)", lambda m: "%" if m.group(1) == "25" else "/", s) for s in key.split("/"))
+
+
+def _rebuild(state: dict[str, Any], path: tuple[str, ...], kind: str) -> None:
+    """The dict at `path` (str keys, as read) as the list, tuple or int-keyed dict it was saved as; left as it is when
+    its keys are not those (a selection took some items of a list only: then an int-keyed dict)."""
+    parent: Any = state
+    for key in path[:-1]:
+        parent = parent.get(key) if isinstance(parent, dict) else None
+    node = parent.get(path[-1]) if isinstance(parent, dict) else None
+    if not isinstance(node, dict) or not all(k.isdecimal() and str(int(k)) == k for k in node):
+        return
+    items = {int(k): v for k, v in node.items()}
+    whole = sorted(items) == list(range(len(items)))
+    if kind == "int-keys" or not whole:
+        parent[path[-1]] = items
+    else:
+        parent[path[-1]] = [items[i] for i in range(len(items))] if kind == "list" else tuple(items[i] for i in range(len(items)))
+
+
+def _read_safetensors(src: Path, select: Selection, loaded: Loaded | None = None, mapped: set[str] | None = None) -> Loaded:
+    """The file's tensors (`mapped`: only those an index assigns to this file) into `loaded` (a new Loaded)."""
     from safetensors import safe_open
 
     out = loaded or Loaded("safetensors", {})
     with safe_open(str(src), framework="pt") as f:
         meta = f.metadata() or {}
-        for name in f.keys():
+        names = list(f.keys())
+        for name in names if mapped is None else [n for n in names if n in mapped]:
             out.keys.update(_and_above(join_key((name,))))
             if select.wants(join_key((name,))):
                 out.state[name] = f.get_tensor(name)  # memory-mapped: no copy until it is written
+    if mapped is not None and (missing := sorted(mapped - set(names))):
+        raise CheckpointConfigError(f"{src} lacks {len(missing)} tensor(s) the index assigns to it ({', '.join(missing[:4])}): "
+                                    "the directory is incomplete or its index is stale; save it again or fix the index")
     try:
         tied = json.loads(meta.get("checkpointing.tied", "{}"))
     except ValueError:
@@ -179,11 +220,13 @@ def _read_hf(src: Path, select: Selection) -> Loaded:
         raise CheckpointConfigError(f"{src} is a file: a Hugging Face checkpoint is the directory save_pretrained writes "
                                     "(for one .safetensors file use --format safetensors, or leave --format out)")
     indexes = sorted(src.glob("*.safetensors.index.json"))
+    assigned: dict[str, set[str]] = {}  # file -> the names the index puts in it
     if indexes:
         index = src / "model.safetensors.index.json" if (src / "model.safetensors.index.json").is_file() else indexes[0]
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = list(dict.fromkeys(weight_map.values()))
+            assigned = {f: {n for n, g in weight_map.items() if g == f} for f in files}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointConfigError(f"{index} is not a safetensors index ({exc})") from None
         bad = [f for f in files if not isinstance(f, str) or Path(f).name != f or f.startswith(".")]
@@ -198,7 +241,7 @@ def _read_hf(src: Path, select: Selection) -> Loaded:
     for name in files:
         if not (src / name).is_file():
             raise CheckpointNotFoundError(f"{src / name}: named by the index, missing")
-        _read_safetensors(src / name, select, loaded)  # one after the other, into the one state
+        _read_safetensors(src / name, select, loaded, assigned.get(name))  # one after the other, into the one state
     return loaded
 
 

@@ -1,8 +1,9 @@
 """Export a committed step as one torch.save file of full (unsharded) tensors (layer: interop).
 
 The file holds only tensors, strings and ints:
-    {"step": N, "world_size": W, "tensors": {name: full tensor, ...}}
-so `torch.load(path, weights_only=True)` reads it without unpickling arbitrary objects. Names are
+    {"step": N, "world_size": W, "tensors": {name: full tensor, ...}, "layout": {name prefix: kind, ...}}
+(`layout`: where the saved state had a list, a tuple or a dict with int keys, "list", "tuple" or
+"int-keys": the names join every path with "/", and import rebuilds those from it), so `torch.load(path, weights_only=True)` reads it without unpickling arbitrary objects. Names are
 the manifest's keys ("model/0.weight"; naming.py, style "keys"); `only` / `exclude` / `strip_prefix`
 / `dtype` select, rename and cast as for the safetensors export. Tied weights are one tensor under
 each of their keys (torch.save stores its bytes once), so the file loads into the model; a key the saving ranks held different tensors under is written once per
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from checkpointing.errors import CheckpointConfigError, CheckpointError
-from checkpointing.interop.naming import name_tensors
+from checkpointing.interop.naming import KeyPath, Named, container_kinds, name_tensors
 from checkpointing.interop.source import export_path, open_step
 from checkpointing.interop.types import Conversion, ExportResult
 from checkpointing.storage import Storage
@@ -73,10 +74,28 @@ def export_torch(
             raise CheckpointConfigError(f"cannot write {path}: {exc.strerror or exc}; choose another --out (out=)") from None
         with f:
             try:
-                torch.save({"step": opened.step, "world_size": opened.manifest.world_size, "tensors": tensors}, f)
+                torch.save({"step": opened.step, "world_size": opened.manifest.world_size, "tensors": tensors,
+                            "layout": layout(named, container_kinds(opened.manifest))}, f)
             except RuntimeError as exc:  # torch's writer wraps the file's errors (a full disk)
                 raise CheckpointError(f"writing {path} failed: {exc}") from None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return ExportResult(opened.step, (str(path),), len(named), nbytes, {a: n.name for n in named for a in n.aliases})
+
+
+def layout(named: list[Named], kinds: dict[KeyPath, str]) -> dict[str, str]:
+    """Written name prefix ("optim/state") -> the kind of container saved there (naming.container_kinds). A name
+    strip_prefix shortened by whole segments maps past them; the container holding a name's first segment is the
+    file's own dict."""
+    out: dict[str, str] = {}
+    for n in named:
+        segments = n.name.split("/")
+        cut = len(n.path) - n.dropped - len(segments)  # whole segments strip_prefix removed
+        if cut < 0:
+            continue
+        for i in range(1, len(segments)):
+            kind = kinds.get(n.path[:n.dropped + cut + i])
+            if kind is not None:
+                out["/".join(segments[:i])] = kind
+    return out
