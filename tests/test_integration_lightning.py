@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: 
 from checkpointing.storage import LocalStorage, RetryPolicy  # noqa: E402
 from faults import Fault, inject  # noqa: E402
 from s3_server import s3_bucket, s3_endpoint  # noqa: E402,F401 - fixtures
+from test_yielding import _until  # noqa: E402
 
 STEPS_PER_EPOCH = 4
 EPOCHS = 4
@@ -401,27 +403,35 @@ while not io._steps[5].settled.is_set():
     time.sleep(0.01)  # its pointer is written
 big = {"w": torch.randn(1 << 19, generator=torch.Generator().manual_seed(1))}  # 2 MB: ~10 s of upload at 200 kB/s
 io.save_checkpoint({"global_step": 7, "state_dict": big}, ckpts + "/b.ckpt")
-io.remove_checkpoint(ckpts + "/a.ckpt")  # save_top_k moves on while step 7 is in flight: step 5 is released
+io.remove_checkpoint(ckpts + "/a.ckpt")  # save_top_k moves on while step 7 is in flight: a.ckpt goes at 7's commit
+print("removed", flush=True)
+sys.stdin.readline()
+io._steps[7].settled.wait()  # 7's pointer is written, then a.ckpt removed and step 5 released
 print("released", flush=True)
 time.sleep(120)
 """
 
 
-def test_a_step_released_while_a_save_was_in_flight_is_deleted_by_the_next_run_after_a_crash(tmp_path):
+def test_a_removal_while_a_save_is_in_flight_waits_for_its_commit_and_a_released_step_goes_after_a_crash(tmp_path):
     store, ckpts, remote = tmp_path / "store", tmp_path / "ckpts", (tmp_path / "remote").as_uri()
     child = subprocess.Popen([sys.executable, "-c", _RELEASE_THEN_DIE, str(store), str(ckpts), remote], stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+                             stdin=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     try:
+        assert child.stdout.readline().strip() == "removed"
+        # step 7 in flight (its upload): the old pointer is still in place, nothing is released
+        assert _pointers(ckpts) == {"a.ckpt": 5} and not (store / ptr.RELEASED_NAME).exists()
+        child.stdin.write("go on\n")
+        child.stdin.flush()
         assert child.stdout.readline().strip() == "released"
     finally:
         child.kill()  # SIGKILL: no teardown
         child.wait()
-    assert 5 in _steps(store) and not (ckpts / "a.ckpt").exists()  # no pointer names it; only the record does
+    assert 5 in _steps(store) and _pointers(ckpts) == {"b.ckpt": 7}  # no pointer names 5; only the record does
     assert ptr.read_released(LocalStorage(store, direct=False, create=False)) == {5}
     io = LightningCheckpointIO(store, remote=remote)  # the next run
     io.save_checkpoint({"global_step": 9, "state_dict": {"w": torch.ones(8)}}, ckpts / "c.ckpt")
     io.teardown()
-    assert 5 not in _steps(store) and 9 in _steps(store) and _pointers(ckpts) == {"c.ckpt": 9}
+    assert 5 not in _steps(store) and 9 in _steps(store) and _pointers(ckpts) == {"b.ckpt": 7, "c.ckpt": 9}
     assert not (store / ptr.RELEASED_NAME).exists()
 
 
@@ -593,3 +603,178 @@ def test_a_module_for_inference_from_a_pointer_file(tmp_path):
     assert_same(dict(loaded.state_dict()), dict(module.state_dict()))
     with pytest.raises(TypeError, match="LightningModule"):
         fresh.load_module(object(), last)
+
+
+_FIT_THEN_DIE = r"""
+import os, sys, torch
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+from checkpointing.integrations.lightning import LightningCheckpointIO
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.big = torch.nn.Parameter(torch.zeros(1 << 18))  # 1 MB: its upload at 200 kB/s holds the save in flight ~5 s
+    def training_step(self, batch, i):
+        return self.net(batch[0]).pow(2).mean() + self.big[:1].sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class Die(Callback):
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == 3:
+            trainer.strategy.checkpoint_io.manager.wait()  # step 2 committed, its pointers written
+            trainer.strategy.checkpoint_io._steps[2].settled.wait()
+        if trainer.global_step == 4:
+            os._exit(0)  # the step-4 save was issued (and ModelCheckpoint moved on); its upload is in flight
+
+root, save_last = sys.argv[1], {"link": "link", "none": None}[sys.argv[2]]
+torch.manual_seed(0)
+io = LightningCheckpointIO(root + "/store", remote=sys.argv[3], upload_bytes_per_s=200e3)
+trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     plugins=[io], callbacks=[ModelCheckpoint(dirpath=root + "/ckpts", every_n_train_steps=2, save_last=save_last), Die()])
+trainer.fit(M(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+"""
+
+
+def _fit_then_die(tmp_path: Path, save_last: str) -> tuple[Path, Path, str]:
+    """A Trainer in a child process (ModelCheckpoint every 2 steps, default save_top_k=1) killed right after its step-4
+    save was issued, while that save is in flight (its upload)."""
+    script, remote = tmp_path / "fit.py", (tmp_path / "remote").as_uri()
+    script.write_text(_FIT_THEN_DIE)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), save_last, remote], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return tmp_path / "store", tmp_path / "ckpts", remote
+
+
+class _Batches(Callback):
+    def __init__(self) -> None:
+        self.steps_run = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.steps_run += 1
+
+
+def _resume_child_module(root: Path, remote: str, ckpt_path: str, save_last: Any) -> tuple[Any, _Batches]:
+    """The child's module, resumed here to step 6 from `ckpt_path`; returns (trainer, the count of batches run)."""
+    namespace: dict[str, Any] = {"__name__": "child_module"}
+    exec(_FIT_THEN_DIE.split("class Die")[0], namespace)  # the child's imports and module class
+    batches = _Batches()
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[LightningCheckpointIO(root / "store", remote=remote)],
+                         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=2, save_last=save_last), batches])
+    trainer.fit(namespace["M"](), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4), ckpt_path=ckpt_path)
+    return trainer, batches
+
+
+def test_a_crash_while_a_save_is_in_flight_keeps_the_previous_checkpoint_with_save_top_k_1(tmp_path):
+    """ModelCheckpoint removes the previous file right after save_checkpoint() returns: that pointer stays until the new
+    step commits, so the crash leaves the previous checkpoint, which the next run neither deletes nor fails to resume."""
+    store, ckpts, remote = _fit_then_die(tmp_path, "none")
+    assert 2 in _steps(store) and _pointers(ckpts) == {"epoch=0-step=2.ckpt": 2}
+    assert 2 not in ptr.read_released(LocalStorage(store, direct=False, create=False))
+    trainer, module = _resume_child_module(tmp_path, remote, str(ckpts / "epoch=0-step=2.ckpt"), None)
+    assert trainer.global_step == 6 and module.steps_run == 4  # resumed at step 2
+    assert _pointers(ckpts)["epoch=0-step=6.ckpt"] == 6 and _steps(store)[-1] == 6
+
+
+def test_save_last_link_from_a_fresh_dirpath_and_a_crash_before_the_commit_resumes_from_last(tmp_path):
+    """save_last="link": Lightning links last.ckpt to the new file as soon as save_checkpoint() returns. The folder is
+    made at the save (a fresh dirpath), and the new path holds a placeholder reading as the previous step until the
+    commit, so that after a crash in between ckpt_path="last" resumes from the previous step, not from scratch."""
+    store, ckpts, remote = _fit_then_die(tmp_path, "link")  # the child's first save linked into a dirpath it made
+    assert os.path.islink(ckpts / "last.ckpt") and os.readlink(ckpts / "last.ckpt") == "epoch=0-step=4.ckpt"
+    placeholder = ptr.read_pointer(str(ckpts / "last.ckpt"))
+    assert placeholder.step == 2 and placeholder.pending is not None and placeholder.pending[0] == 4
+    trainer, module = _resume_child_module(tmp_path, remote, "last", "link")
+    assert trainer.global_step == 6 and module.steps_run == 4  # resumed at step 2, not from scratch
+    # Lightning names the new link last-v1.ckpt (step 2's state has no last_model_path yet); the placeholder went
+    assert _pointers(ckpts) == {"epoch=0-step=6.ckpt": 6, "last-v1.ckpt": 6} and 2 not in _steps(store)
+
+
+class _ManagerOpened(Callback):
+    """Whether the plugin opened its manager at the first optimizer step, before any save."""
+
+    def __init__(self) -> None:
+        self.opened: bool | None = None
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if self.opened is None:
+            self.opened = trainer.strategy.checkpoint_io.manager is not None
+
+
+def test_a_plugin_kept_to_read_never_opens_a_manager_at_an_optimizer_step(tmp_path):
+    """The README's inference recipe, then training a copy with a plain optimizer in the same process: the reader
+    never opens a (writing) manager; a Trainer's plugin still opens it at its first optimizer step."""
+    opened = _ManagerOpened()
+    _fit(tmp_path, max_epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True), opened])
+    assert opened.opened is True
+    reader = LightningCheckpointIO(tmp_path / "store")
+    module = reader.load_module(TinyModule, tmp_path / "ckpts" / "last.ckpt", map_location="cpu")
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    module.net(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert reader.manager is None
+    with CheckpointManager(tmp_path / "store") as mgr:  # the training job reopens its directory
+        assert mgr.steps() == [4]
+
+
+class _HeldUploads:
+    """Wraps the remote tier's real filesystem: calls naming `needle` wait until `open()`."""
+
+    def __init__(self, fs: Any, needle: str) -> None:
+        self._fs, self.needle = fs, needle
+        self.opened, self.waiting = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(self.needle in str(a) for a in (*args, *kwargs.values())):
+                self.waiting.set()
+                self.opened.wait(120)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _waiting_for_upload(thread: threading.Thread, step: int) -> bool:
+    """Whether `thread` is blocked waiting for the upload of `step` (its UploadJob's wait(), under the manager's wait())."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
+        if type(owner).__name__ == "UploadJob" and owner.step == step:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_an_upload_failing_while_teardown_waits_is_logged_not_raised(tmp_path, s3_bucket, caplog):
+    """The end of fit with the last save's upload in flight, then failing (an outage): teardown logs it (the step is
+    committed locally, its pointer written) and does not raise. The upload is held until teardown waits for it."""
+    url, options = s3_bucket
+    io = LightningCheckpointIO(tmp_path / "store", remote=url, storage_options=options)
+    weights = {"w": torch.zeros(4)}
+    io.save_checkpoint({"global_step": 1, "state_dict": weights}, tmp_path / "ckpts" / "s1.ckpt")
+    io.manager.wait()
+    remote = io.manager.remote_storage
+    remote.retry = RetryPolicy(attempts=2, base_s=0.001, cap_s=0.002)
+    inject(remote, Fault("*", "denied", times=-1, path=f"*{naming.step_dir(2)}*"))
+    held = remote.endpoint.fs = _HeldUploads(remote.endpoint.fs, naming.step_dir(2))
+    weights["w"] += 1
+    io.save_checkpoint({"global_step": 2, "state_dict": weights}, tmp_path / "ckpts" / "s2.ckpt")
+    main = threading.current_thread()
+    opener = threading.Thread(target=lambda: (_until(lambda: held.waiting.is_set() and _waiting_for_upload(main, 2), "teardown waits"),
+                                              held.opened.set()), daemon=True)
+    opener.start()
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        io.teardown()
+    opener.join(120)
+    assert "upload" in caplog.text and io.manager is None
+    assert _pointers(tmp_path / "ckpts") == {"s1.ckpt": 1, "s2.ckpt": 2}
+    assert torch.equal(io.load_checkpoint(tmp_path / "ckpts" / "s2.ckpt")["state_dict"]["w"], torch.ones(4))

@@ -11,8 +11,11 @@ and the scheduler restored). Nothing is downloaded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,10 @@ from checkpointing.integrations import transformers as ckpt_hf  # noqa: E402
 from checkpointing.integrations._hf_retention import BEST_STEP  # noqa: E402
 from checkpointing.integrations.transformers import SaveTotalLimit  # noqa: E402
 from checkpointing.plan.retention import StepInfo  # noqa: E402
+from checkpointing.storage import RetryPolicy  # noqa: E402
+from faults import Fault, inject  # noqa: E402
+from s3_server import s3_bucket, s3_endpoint  # noqa: E402,F401 - fixtures
+from test_yielding import _until  # noqa: E402
 
 MAX_STEPS, SAVE_STEPS, CRASH_AT = 12, 4, 8
 
@@ -474,3 +481,64 @@ def test_two_processes_resume_the_same_folder_after_one_was_lost(tmp_path: Path)
     done = [line.split() for line in log.splitlines() if line.startswith("DONE")]
     assert sorted(d[1] for d in done) == ["0", "1"] and {d[3] for d in done} == {"5"}, log
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-5"] and committed(out / "checkpointing") == [5]
+
+
+class _HeldUploads:
+    """Wraps the remote tier's real filesystem: calls naming `needle` wait until `opened` is set."""
+
+    def __init__(self, fs: Any, needle: str) -> None:
+        self._fs, self.needle, self.opened, self.waiting = fs, needle, threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(self.needle in str(a) for a in (*args, *kwargs.values())):
+                self.waiting.set()
+                self.opened.wait(120)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class FailLastUpload(TrainerCallback):
+    """Before the last save: its upload fails (an outage), held until the end of train() waits for it."""
+
+    def __init__(self, trainer_ref: list) -> None:
+        self.trainer_ref, self.held = trainer_ref, None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == MAX_STEPS - 1 and self.held is None:
+            remote = self.trainer_ref[0].checkpoints.manager.remote_storage
+            remote.retry = RetryPolicy(attempts=2, base_s=0.001, cap_s=0.002)
+            inject(remote, Fault("*", "denied", times=-1, path=f"*{naming.step_dir(MAX_STEPS)}*"))
+            self.held = remote.endpoint.fs = _HeldUploads(remote.endpoint.fs, naming.step_dir(MAX_STEPS))
+            main = threading.current_thread()
+            threading.Thread(target=lambda: (_until(lambda: self.held.waiting.is_set() and _waiting_for_upload(main, MAX_STEPS),
+                                                    "the end of train() waits"), self.held.opened.set()), daemon=True).start()
+
+
+def _waiting_for_upload(thread: threading.Thread, step: int) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
+        if type(owner).__name__ == "UploadJob" and owner.step == step:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_an_upload_failing_while_train_ends_is_logged_not_raised(tmp_path: Path, s3_bucket: Any, caplog: Any) -> None:
+    """The last save's upload in flight at the end of train(), then failing: logged (the step is committed locally and
+    its folder published), not raised, as a failure a moment earlier is."""
+    url, options = s3_bucket
+    ref: list = []
+    fail = FailLastUpload(ref)
+    trainer = make(tmp_path / "out", callbacks=[fail], trainer_kwargs={"remote": url, "storage_options": options})
+    ref.append(trainer)
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        trainer.train()
+    assert fail.held is not None and fail.held.opened.is_set()
+    assert "upload" in caplog.text and folder_steps(tmp_path / "out") == [4, 8, 12]

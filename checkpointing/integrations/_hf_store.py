@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 import checkpointing
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, CheckpointUploadError
 from checkpointing.integrations import _hf_markers as markers
-from checkpointing.integrations._saving import save_past_upload_errors
+from checkpointing.integrations._saving import save_past_upload_errors, wait_past_upload_errors
 from checkpointing.integrations._tier_read import load_any_tier
 from checkpointing.manager import CheckpointManager, SaveHandle
 
@@ -295,10 +295,7 @@ class TrainerCheckpoints:
         """Wait until every save is committed and its folder published; raise the error of a failed one."""
         failure: BaseException | None = None
         if self._mgr is not None:
-            try:
-                self._mgr.wait()
-            except CheckpointSaveError as exc:
-                failure = exc
+            failure = wait_past_upload_errors(self._mgr, "CheckpointingTrainer")  # a failed upload is logged: committed locally
             with self._lock:
                 entries = list(self._saving.values())
             for entry in entries:

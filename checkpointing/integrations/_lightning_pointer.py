@@ -6,12 +6,15 @@ CheckpointManager directory and the id of the save that made it:
 
     {"lightning_checkpoint_io": 1, "directory": "/abs/ckpt", "step": 100, "save_id": "9f0c...",
      "overrides": null | {"tree": <tree>, "tensors": [{"dtype": "float32", "shape": [], "data": <base64>}]},
-     "keys": null | ["state_dict", "epoch", ...], "renames": null | {"state_dict": "state_dict@9f0c..."}}
+     "keys": null | ["state_dict", "epoch", ...], "renames": null | {"state_dict": "state_dict@9f0c..."},
+     "pending": null | {"step": 104, "save_id": "77ab..."}}
 
 `overrides` holds the entries of a second save at one global step that the step itself does not
 (see lightning.py; encoded by _lightning_values.encode_entries); `keys`, the checkpoint's own entries
 in their order, where the step holds others too; `renames`, the step's entry holding a key's value where
-that is not the key itself (_lightning_same_step.py). Absent `keys` or `renames` read as null.
+that is not the key itself (_lightning_same_step.py); `pending`, on a placeholder (_lightning_pending.py), the save
+whose pointer replaces it at its commit: until then it reads as the committed step it names. Absent `keys`,
+`renames` or `pending` read as null.
 Pointers are written atomically (a temporary file, fsync, rename, fsync of the directory) and
 start with their magic key, so a scan tells them from other files by their first bytes.
 """
@@ -48,6 +51,7 @@ class Pointer:
     overrides: dict[str, Any] | None = None  # encode_entries() output, or None
     keys: tuple[str, ...] | None = None  # the entries loaded for it, in order; None: all the step's
     renames: dict[str, str] | None = None  # key -> the step's entry that holds its value (None: each key's own)
+    pending: tuple[int, str] | None = None  # a placeholder: (step, save id) of the save whose pointer replaces it
 
     def stored(self, key: str) -> str:
         return key if self.renames is None else self.renames.get(key, key)
@@ -61,7 +65,8 @@ def write_pointer(path: str, pointer: Pointer) -> None:
     """Write `pointer` at `path` atomically: readers see the old file or the new one, never a part. CheckpointError
     when it cannot be written (the step it names is committed)."""
     body = {MAGIC: VERSION, "directory": pointer.directory, "step": pointer.step, "save_id": pointer.save_id,
-            "overrides": pointer.overrides, "keys": None if pointer.keys is None else list(pointer.keys), "renames": pointer.renames}
+            "overrides": pointer.overrides, "keys": None if pointer.keys is None else list(pointer.keys), "renames": pointer.renames,
+            "pending": None if pointer.pending is None else {"step": pointer.pending[0], "save_id": pointer.pending[1]}}
     try:
         _write_atomic(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode())
     except OSError as exc:
@@ -170,7 +175,7 @@ def read_pointer(path: str) -> Pointer | None:
         if obj.get(MAGIC) != VERSION:
             raise ValueError(f"version {obj.get(MAGIC)!r}; this library reads version {VERSION}")
         directory, step, save_id, overrides, keys = obj["directory"], obj["step"], obj["save_id"], obj["overrides"], obj.get("keys")
-        renames = obj.get("renames")
+        renames, pending = obj.get("renames"), obj.get("pending")
         if not isinstance(directory, str) or not isinstance(save_id, str) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("directory, step or save_id has the wrong type")
         if overrides is not None and not (isinstance(overrides, dict) and isinstance(overrides.get("tree"), dict)
@@ -180,10 +185,14 @@ def read_pointer(path: str) -> Pointer | None:
             raise ValueError("keys must be null or a list of strings")
         if renames is not None and not (isinstance(renames, dict) and all(isinstance(v, str) for v in renames.values())):
             raise ValueError("renames must be null or an object of strings")
-    except (UnicodeDecodeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+        if pending is not None:
+            pending = (pending["step"], pending["save_id"])
+            if isinstance(pending[0], bool) or not isinstance(pending[0], int) or not isinstance(pending[1], str):
+                raise ValueError("pending must be null or {step, save_id}")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is a damaged LightningCheckpointIO pointer file ({exc}): "
                               "delete it, or pass the path of another checkpoint") from None
-    return Pointer(directory, step, save_id, overrides, None if keys is None else tuple(keys), renames)
+    return Pointer(directory, step, save_id, overrides, None if keys is None else tuple(keys), renames, pending)
 
 
 def read_pointer_quietly(path: str) -> Pointer | None:

@@ -25,21 +25,21 @@ import logging
 import os
 import shutil
 import threading
-import weakref
 from typing import Any, Sequence
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import checkpointing
 from checkpointing.errors import (CheckpointConfigError, CheckpointError, CheckpointNotFoundError,
                                   CheckpointSaveError, CheckpointUploadError, StateError)
+from checkpointing.integrations import _lightning_lifecycle as life
+from checkpointing.integrations import _lightning_pending as pend
 from checkpointing.integrations import _lightning_pointer as ptr
 from checkpointing.integrations import _lightning_same_step as same
 from checkpointing.integrations import _lightning_transfer as weights
 from checkpointing.integrations import _lightning_values as vals
 from checkpointing.integrations._lightning_module import module_from
-from checkpointing.integrations._saving import save_past_upload_errors
+from checkpointing.integrations._saving import save_past_upload_errors, wait_past_upload_errors
 from checkpointing.manager import CheckpointManager, SaveHandle
 from checkpointing.state.codecs import Codec
 
@@ -69,9 +69,9 @@ class LightningCheckpointIO(CheckpointIO):
         self._dirs: set[str] = set()  # directories of the pointers this object wrote or read
         self._errors: list[BaseException] = []  # failed saves seen by done callbacks, raised at the next call
         self._reported: set[int] = set()  # failed steps the manager raised itself already
-        self._opener: Any = None
+        self._removals = pend.Removals(self.directory)  # what Lightning removed while a save was in flight (_lightning_pending.py)
         self._user_codecs = tuple(codecs)
-        self._arm()
+        self._opener = life.arm(self, LightningCheckpointIO._after_step)  # only for steps a Trainer using this plugin takes
 
     def __reduce__(self) -> tuple:  # Lightning's spawn launcher sends the plugin to its workers: a new one with this configuration
         if self._mgr is not None:
@@ -97,6 +97,7 @@ class LightningCheckpointIO(CheckpointIO):
             raise CheckpointConfigError(f"the checkpoint for {target} has global_step={step!r}: LightningCheckpointIO numbers steps by it")
         if ID_KEY in checkpoint:
             raise CheckpointConfigError(f"the checkpoint for {target} has a key {ID_KEY!r}, which LightningCheckpointIO reserves")
+        os.makedirs(os.path.dirname(target), exist_ok=True)  # as Torch's IO: Lightning may link to the path at once
         mgr = self._open()
         self._collect()
         with self._lock:
@@ -128,7 +129,6 @@ class LightningCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict saved for `path`: CPU tensors unless `map_location` moves them (weights_only: nothing is unpickled anyway)."""
         target = vals.local_path(path)
-        self._arm()  # a resumed fit follows: open the manager at its first optimizer step
         if not os.path.exists(target):
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
         pointer = ptr.read_pointer(target)
@@ -147,6 +147,9 @@ class LightningCheckpointIO(CheckpointIO):
         if entry is not None and entry.in_flight():  # a save of this step in flight here: load once it rewrote the pointers
             entry.wait_committed()
             pointer = ptr.read_pointer(target) or pointer
+        with self._lock:
+            waiting = self._steps.get(pointer.pending[0]) if pointer.pending is not None and ours else None
+        pointer = pend.past_placeholder(target, pointer, waiting)  # a placeholder (_lightning_pending.py)
         extra = {} if pointer.overrides is None else vals.decode_entries(pointer.overrides, self._codecs, target)
         stored = None if pointer.keys is None else [pointer.stored(k) for k in pointer.keys if k not in extra]
         tree = self._load_step(directory, pointer.step, target, stored)
@@ -174,65 +177,57 @@ class LightningCheckpointIO(CheckpointIO):
         target = vals.local_path(path)
         if self._mgr is None and getattr(ptr.read_pointer_quietly(target), "directory", None) == self.directory:
             self._open()  # a plugin that has not saved (a cleanup script): deleting the step needs the manager
-        with self._lock:
-            for step, entry in self._steps.items():
-                if target in entry.pending:
-                    del entry.pending[target]
-                    self._doomed.add(step)
-            pointer = ptr.read_pointer_quietly(target)
-            if pointer is not None and pointer.directory == self.directory:
-                self._doomed.add(pointer.step)
-                self._journal()
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            elif os.path.lexists(target):
-                os.remove(target)
+        with self._lock:  # while the newest save is in flight, at its commit: the old pointer stays until the new one is there
+            self._removals.request(target, self._remove_now)
         self._collect()
+
+    def _remove_now(self, target: str) -> None:
+        """Remove the pointer (or the alias waiting) at `target` (the lock held); its step may go."""
+        for step, entry in self._steps.items():
+            if target in entry.pending:
+                del entry.pending[target]
+                self._doomed.add(step)
+        pointer = ptr.read_pointer_quietly(target)
+        if pointer is not None and pointer.directory == self.directory:
+            self._doomed.add(pointer.step)
+            self._journal()
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        elif os.path.lexists(target):
+            os.remove(target)
 
     def teardown(self) -> None:
         """Wait until every save is durable and its pointers written, delete what was removed, close; raise a save's error."""
-        opener, self._opener = self._opener, None
-        if opener is not None:
-            opener.remove()
         mgr, failure = self._mgr, None
         if mgr is not None:
             atexit.unregister(self._at_exit)
             try:
-                try:
-                    mgr.wait()
-                except CheckpointSaveError as exc:
-                    failure = exc
-                    with self._lock:
-                        self._reported.add(exc.step)
+                failure = wait_past_upload_errors(mgr, "LightningCheckpointIO")  # a failed upload is logged: its step is committed
                 with self._lock:
+                    if failure is not None:
+                        self._reported.add(failure.step)
                     entries = list(self._steps.values())
                 for entry in entries:
                     if entry.handle is not None:
                         entry.settled.wait()  # its done callback wrote its pointers
+                self._removals.left()  # (every save settled) the removals no committed save took: those pointers stay (logged)
                 self._collect()
             finally:
                 self._mgr = None
                 mgr.close()
         self._raise_errors(failure)
 
-    def _arm(self) -> None:
-        """Open the manager after the next optimizer step (of global rank 0): a manager that saw the optimizer step
-        defers the copy of its state, so the first save costs the loop no more than the later ones."""
-        if self._opener is not None:
-            return
-        me = weakref.ref(self)
-
-        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            io = me()
-            if io is not None and io._mgr is None:  # the hook stays until teardown
-                vals.add_rank_zero_group(io._options)  # under DDP, on every rank once (a collective): the group rank 0 saves in
-            if io is not None and io._mgr is None and vals.global_rank_zero():
-                try:
-                    io._open()
-                except CheckpointError as exc:  # the first save raises it, where Lightning reports it
-                    log.debug("checkpointing: LightningCheckpointIO: opening the manager after a step: %s", exc)
-
-        self._opener = register_optimizer_step_post_hook(after_step)
+    @staticmethod
+    def _after_step(io: "LightningCheckpointIO") -> None:
+        """After an optimizer step of a Trainer that uses `io`: open the manager (global rank 0), which then defers the
+        copy of the state the optimizer steps, so that the first save costs the loop no more than the later ones."""
+        if io._mgr is None:
+            vals.add_rank_zero_group(io._options)  # under DDP, on every rank once (a collective): the group rank 0 saves in
+        if io._mgr is None and vals.global_rank_zero():
+            try:
+                io._open()
+            except CheckpointError as exc:  # the first save raises it, where Lightning reports it
+                log.debug("checkpointing: LightningCheckpointIO: opening the manager after a step: %s", exc)
 
     def _open(self) -> CheckpointManager:
         if self._mgr is None:
@@ -256,7 +251,7 @@ class LightningCheckpointIO(CheckpointIO):
 
     def _add_alias(self, target: str, step: int, entry: ptr.PointedStep, overrides: dict | None, keys: tuple | None,
                    renames: dict | None = None) -> None:
-        """`target` names `step` from now on: its pointer now if the step is committed, else once it is."""
+        """`target` names `step` from now on: its pointer now if committed, else once it is (a placeholder meanwhile: pending.place)."""
         with self._lock:
             for other, e in self._steps.items():
                 if e is not entry and target in e.pending:  # `target` named another step not committed yet
@@ -266,6 +261,9 @@ class LightningCheckpointIO(CheckpointIO):
                 self._write(target, step, entry, overrides, keys, renames)
             else:
                 entry.pending[target] = (overrides, keys, renames)
+                committed = {s for s in self._on_disk if not (s in self._steps and self._steps[s].in_flight())}
+                pend.place(target, self.directory, committed, (step, entry.save_id))
+            self._removals.saved(target, entry, self._remove_now)
 
     def _settle(self, step: int, entry: ptr.PointedStep, handle: SaveHandle) -> None:
         """The done callback of a save (a background thread): write its pointers, or keep its error."""
@@ -280,10 +278,11 @@ class LightningCheckpointIO(CheckpointIO):
                     for target, view in pending.items():
                         self._write(target, step, entry, *view)
                 else:
-                    entry.pending.clear()
+                    pending = entry.pending = {}
                     self._on_disk.discard(step)
                     if self._steps.get(step) is entry:
                         del self._steps[step]
+                self._removals.settled(entry, self._remove_now, pending, self._steps)  # after its pointers: the old ones go now
         except Exception as exc:  # noqa: BLE001 - raised at the next call instead of dying on this thread
             with self._lock:
                 self._errors.append(exc)
