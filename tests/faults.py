@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import errno
 import fnmatch
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -156,3 +157,35 @@ def inject(storage: FsspecStorage, *faults: Fault, latency_s: float = 0.0) -> Fa
     proxy = FaultyFS(storage.endpoint.fs, *faults, latency_s=latency_s)
     storage.endpoint.fs = proxy
     return proxy
+
+
+class HeldUploads:
+    """Wraps the remote tier's real filesystem: calls naming `needle` wait until `open()`."""
+
+    def __init__(self, fs: Any, needle: str) -> None:
+        self._fs, self.needle = fs, needle
+        self.opened, self.waiting = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(self.needle in str(a) for a in (*args, *kwargs.values())):
+                self.waiting.set()
+                self.opened.wait(120)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def waiting_for_upload(thread: threading.Thread, step: int) -> bool:
+    """Whether `thread` is blocked waiting for the upload of `step` (its UploadJob's wait(), under the manager's wait())."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
+        if type(owner).__name__ == "UploadJob" and owner.step == step:
+            return True
+        frame = frame.f_back
+    return False

@@ -33,7 +33,7 @@ from checkpointing.format import naming  # noqa: E402
 from checkpointing.integrations import _lightning_pointer as ptr  # noqa: E402
 from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: E402
 from checkpointing.storage import LocalStorage, RetryPolicy  # noqa: E402
-from faults import Fault, inject  # noqa: E402
+from faults import Fault, HeldUploads, inject, waiting_for_upload  # noqa: E402
 from s3_server import s3_bucket, s3_endpoint  # noqa: E402,F401 - fixtures
 from test_yielding import _until  # noqa: E402
 
@@ -722,38 +722,6 @@ def test_a_plugin_kept_to_read_never_opens_a_manager_at_an_optimizer_step(tmp_pa
         assert mgr.steps() == [4]
 
 
-class _HeldUploads:
-    """Wraps the remote tier's real filesystem: calls naming `needle` wait until `open()`."""
-
-    def __init__(self, fs: Any, needle: str) -> None:
-        self._fs, self.needle = fs, needle
-        self.opened, self.waiting = threading.Event(), threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._fs, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if any(self.needle in str(a) for a in (*args, *kwargs.values())):
-                self.waiting.set()
-                self.opened.wait(120)
-            return attr(*args, **kwargs)
-
-        return call
-
-
-def _waiting_for_upload(thread: threading.Thread, step: int) -> bool:
-    """Whether `thread` is blocked waiting for the upload of `step` (its UploadJob's wait(), under the manager's wait())."""
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
-        if type(owner).__name__ == "UploadJob" and owner.step == step:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_an_upload_failing_while_teardown_waits_is_logged_not_raised(tmp_path, s3_bucket, caplog):
     """The end of fit with the last save's upload in flight, then failing (an outage): teardown logs it (the step is
     committed locally, its pointer written) and does not raise. The upload is held until teardown waits for it."""
@@ -765,11 +733,11 @@ def test_an_upload_failing_while_teardown_waits_is_logged_not_raised(tmp_path, s
     remote = io.manager.remote_storage
     remote.retry = RetryPolicy(attempts=2, base_s=0.001, cap_s=0.002)
     inject(remote, Fault("*", "denied", times=-1, path=f"*{naming.step_dir(2)}*"))
-    held = remote.endpoint.fs = _HeldUploads(remote.endpoint.fs, naming.step_dir(2))
+    held = remote.endpoint.fs = HeldUploads(remote.endpoint.fs, naming.step_dir(2))
     weights["w"] += 1
     io.save_checkpoint({"global_step": 2, "state_dict": weights}, tmp_path / "ckpts" / "s2.ckpt")
     main = threading.current_thread()
-    opener = threading.Thread(target=lambda: (_until(lambda: held.waiting.is_set() and _waiting_for_upload(main, 2), "teardown waits"),
+    opener = threading.Thread(target=lambda: (_until(lambda: held.waiting.is_set() and waiting_for_upload(main, 2), "teardown waits"),
                                               held.opened.set()), daemon=True)
     opener.start()
     with caplog.at_level(logging.WARNING, logger="checkpointing"):

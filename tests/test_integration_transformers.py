@@ -36,7 +36,7 @@ from checkpointing.integrations._hf_retention import BEST_STEP  # noqa: E402
 from checkpointing.integrations.transformers import SaveTotalLimit  # noqa: E402
 from checkpointing.plan.retention import StepInfo  # noqa: E402
 from checkpointing.storage import RetryPolicy  # noqa: E402
-from faults import Fault, inject  # noqa: E402
+from faults import Fault, HeldUploads, inject, waiting_for_upload  # noqa: E402
 from s3_server import s3_bucket, s3_endpoint  # noqa: E402,F401 - fixtures
 from test_yielding import _until  # noqa: E402
 
@@ -483,26 +483,6 @@ def test_two_processes_resume_the_same_folder_after_one_was_lost(tmp_path: Path)
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-5"] and committed(out / "checkpointing") == [5]
 
 
-class _HeldUploads:
-    """Wraps the remote tier's real filesystem: calls naming `needle` wait until `opened` is set."""
-
-    def __init__(self, fs: Any, needle: str) -> None:
-        self._fs, self.needle, self.opened, self.waiting = fs, needle, threading.Event(), threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._fs, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if any(self.needle in str(a) for a in (*args, *kwargs.values())):
-                self.waiting.set()
-                self.opened.wait(120)
-            return attr(*args, **kwargs)
-
-        return call
-
-
 class FailLastUpload(TrainerCallback):
     """Before the last save: its upload fails (an outage), held until the end of train() waits for it."""
 
@@ -514,20 +494,10 @@ class FailLastUpload(TrainerCallback):
             remote = self.trainer_ref[0].checkpoints.manager.remote_storage
             remote.retry = RetryPolicy(attempts=2, base_s=0.001, cap_s=0.002)
             inject(remote, Fault("*", "denied", times=-1, path=f"*{naming.step_dir(MAX_STEPS)}*"))
-            self.held = remote.endpoint.fs = _HeldUploads(remote.endpoint.fs, naming.step_dir(MAX_STEPS))
+            self.held = remote.endpoint.fs = HeldUploads(remote.endpoint.fs, naming.step_dir(MAX_STEPS))
             main = threading.current_thread()
-            threading.Thread(target=lambda: (_until(lambda: self.held.waiting.is_set() and _waiting_for_upload(main, MAX_STEPS),
+            threading.Thread(target=lambda: (_until(lambda: self.held.waiting.is_set() and waiting_for_upload(main, MAX_STEPS),
                                                     "the end of train() waits"), self.held.opened.set()), daemon=True).start()
-
-
-def _waiting_for_upload(thread: threading.Thread, step: int) -> bool:
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
-        if type(owner).__name__ == "UploadJob" and owner.step == step:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def test_an_upload_failing_while_train_ends_is_logged_not_raised(tmp_path: Path, s3_bucket: Any, caplog: Any) -> None:
