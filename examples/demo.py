@@ -232,6 +232,11 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def rate(bytes_per_s: float) -> str:
+    """MB/s, or "-" where unknown (a save recorded by the next process: its times are not known)."""
+    return "-" if math.isnan(bytes_per_s) else f"{bytes_per_s / 1e6:,.0f}"
+
+
 def num(d: dict, k: str) -> float:
     v = d.get(k)
     return float(v) if isinstance(v, (int, float)) else float("nan")
@@ -398,7 +403,7 @@ def run_demo(args: argparse.Namespace, con, ckpt: Path, t_start: float, remote_u
         st.add_row(str(run), str(m.get("step")) + ("" if ok else " [red]FAILED[/]"),
                    ms(num(m, "wait_prev_s")), ms(num(m, "stall_s")), ms(num(m, "snapshot_s")),
                    ms(num(m, "write_s")), ms(num(m, "commit_s")), ms(num(m, "total_s")),
-                   f"{num(m, 'bytes_written') / 1e6:.1f}", f"{num(m, 'write_bytes_per_s') / 1e6:,.0f}",
+                   f"{num(m, 'bytes_written') / 1e6:.1f}", rate(num(m, "write_bytes_per_s")),
                    *((ms(num(m, "upload_s")),) if remote_url else ()))
     lost = [s for s in run1 if "save_call_s" in run1[s] and
             not any(run == 1 and m.get("step") == s for run, m in rows)]
@@ -413,7 +418,7 @@ def run_demo(args: argparse.Namespace, con, ckpt: Path, t_start: float, remote_u
     step_s = [e["step_s"] for e in list(run1.values()) + list(run2.values())]
     med_stall = statistics.median(stalls) if stalls else float("nan")
     med_step = statistics.median(step_s)
-    totals = [num(m, "total_s") for _, m in rows if m.get("ok", True)]
+    totals = [t for t in (num(m, "total_s") for _, m in rows if m.get("ok", True)) if not math.isnan(t)]  # recovered: unknown
     con.print()
     con.rule("[bold]summary")
     con.print(f"restored step            {restored}   (run 1 was killed after step {args.kill_after})")

@@ -43,6 +43,9 @@ def opts(options: dict) -> list[str]:
 def test_storage_options_parse_nested_and_typed():
     assert storage_options(["a=1", "b=true", "c.d=x", "c.e=2.5", "u=http://h:9/p?q=1"]) == {
         "a": 1, "b": True, "c": {"d": "x", "e": 2.5}, "u": "http://h:9/p?q=1"}
+    # a credential is the text typed, and so is a number Python would write otherwise (leading zeros, exponents)
+    assert storage_options(["secret=0123", "key=1e5", "client_kwargs.aws_session_token=42", "n=007", "f=1e5"]) == {
+        "secret": "0123", "key": "1e5", "client_kwargs": {"aws_session_token": "42"}, "n": "007", "f": "1e5"}
     assert main(["ls", "s3://b/p", "-o", "novalue"]) == 2
 
 

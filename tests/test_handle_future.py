@@ -54,6 +54,9 @@ def test_a_failed_save_raises_from_result_every_time_and_not_again_at_the_next_s
             with pytest.raises(CheckpointSaveError, match="7"):
                 h.result()
         assert isinstance(h.exception(), CheckpointSaveError) and h.done()
+        for _ in range(2):  # the handle's own wait() too, after exception() (a Future query does not use it up)
+            with pytest.raises(CheckpointSaveError, match="7"):
+                h.wait()
         mgr.save(8, {"w": torch.ones(8)}).wait()  # reported through the handle: not raised again here
         assert mgr.steps() == [5, 8]
 

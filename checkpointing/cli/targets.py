@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from checkpointing.cli.fmt import CommandFailed
 from checkpointing.errors import CheckpointError
 from checkpointing.storage import LocalStorage, Storage, open_storage
-from checkpointing.storage.redact import redact_url
+from checkpointing.storage.redact import is_secret_name, redact_url
 from checkpointing.tier import catalog
 
 
@@ -59,19 +59,21 @@ def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise CommandFailed(f"--storage-option {key}: {part} is both a value and a group")
-        node[leaf] = _value(raw)
+        node[leaf] = raw if is_secret_name(leaf) else _value(raw)  # a credential is the text typed, digits or not
     return out
 
 
 def _value(raw: str) -> Any:
-    """true/false/null, integers and floats as such; anything else (a key, a URL) stays a string."""
+    """true/false/null, and integers and floats written as Python writes them ("8", "2.5"), as such; anything else
+    (a key, a URL, "0123", "1e5") stays the string typed."""
     if raw in ("true", "false", "null"):
         return {"true": True, "false": False, "null": None}[raw]
     for kind in (int, float):
         try:
-            return kind(raw)
+            value = kind(raw)
         except ValueError:
-            pass
+            continue
+        return value if str(value) == raw else raw
     return raw
 
 

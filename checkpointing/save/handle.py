@@ -73,13 +73,12 @@ class SaveHandle(concurrent.futures.Future):
         self._job.wait_staged(self._stall)
 
     def wait(self, timeout: float | None = None) -> SaveStats:
-        """Block until the step is durable on every configured tier; return its SaveStats or raise its error."""
+        """Block until the step is durable on every configured tier; return its SaveStats or raise its error (each call,
+        as result(): a Future's exception() or a done callback before it does not use the error up)."""
         self._wait_done(timeout)
-        self._job.raise_error()
-        if self._job.upload is not None:
-            self._job.upload.raise_error()
-        if self.peer is not None:
-            self.peer.raise_error()
+        error = self._failure()
+        if error is not None:
+            raise error
         return self._job_stats()
 
     def result(self, timeout: float | None = None) -> SaveStats:

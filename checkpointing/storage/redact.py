@@ -15,6 +15,11 @@ from urllib.parse import urlsplit, urlunsplit
 _SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|sas|auth", re.IGNORECASE)
 
 
+def is_secret_name(name: str) -> bool:
+    """An option named so holds a credential (its value is never shown, and taken as the text given)."""
+    return bool(_SECRET_KEY.search(name))
+
+
 def secret_values(options: Mapping[str, object] | None, url: str = "") -> tuple[str, ...]:
     """String values in `options` (nested too) whose names look like credentials, and the user info in `url`."""
     found: list[str] = []
@@ -26,7 +31,7 @@ def secret_values(options: Mapping[str, object] | None, url: str = "") -> tuple[
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 walk(v, name)
-        elif isinstance(obj, str) and len(obj) >= 4 and _SECRET_KEY.search(name):
+        elif isinstance(obj, str) and len(obj) >= 4 and is_secret_name(name):
             found.append(obj)
 
     walk(options or {}, "")
