@@ -209,6 +209,11 @@ def test_a_later_record_of_a_save_whose_upload_succeeded_on_a_later_try_replaces
         assert [(r["step"], r["ok"], r["upload_tries"]) for r in rows if r["rank"] in (0, None)] == [
             (1, True, None), (2, True, 2), (3, True, None), (2, False, 1)]
     assert summary.current([one, failed]) == [one, failed]  # nothing to fold: the records as they are
+    # a later process's recovered record of a save whose own record is there too (two nodes' files merged): left out
+    stand_in = dict(three, recovered=True, time=three["time"] + 2.0, stall_s=None)
+    again = dict(three, recovered=True, time=three["time"] + 3600)  # a later save of step 3: kept
+    assert summary.current([one, stand_in, three, again]) == [one, three, again]
+    assert (summary.summarize([one, stand_in, three]).saves, summary.summarize([stand_in]).saves) == (2, 1)
 
 
 def test_json_has_stable_documented_keys(records):

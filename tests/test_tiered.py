@@ -359,6 +359,10 @@ def test_a_replacement_node_keeps_the_runs_metrics_history_on_the_remote_tier(tm
     assert added == 3 and data.splitlines() == [b'{"step": 1, "time": 10}', b'{"step": 2, "time": 20}', b"not json",
                                                 b'{"step": 3, "time": 30}', b'{"step": 4, "time": 40}']
     assert merged(local, local) == (local, 0)
+    # another node's record of step 4 as recovered (it found the step unrecorded in the copy): this node has its own
+    stand_in = b'{"step": 4, "time": 41, "recovered": true}\n{"step": 5, "time": 50, "recovered": true}\n'
+    data, added = merged(local, stand_in)
+    assert added == 1 and data.splitlines()[-1] == b'{"step": 5, "time": 50, "recovered": true}'
 
 
 def test_local_retention_keeps_a_step_whose_upload_failed_until_it_is_uploaded(tmp_path, s3_bucket):

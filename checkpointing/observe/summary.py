@@ -30,7 +30,7 @@ from checkpointing.observe.metrics import read_jsonl
 from checkpointing.plan import advice
 
 __all__ = ["JSON_SCHEMA", "SAVE_KEYS", "Record", "Spread", "Summary", "by_save", "current", "load_records", "number", "recorded",
-           "succeeded", "summarize", "to_json"]
+           "stands_in", "succeeded", "summarize", "to_json"]
 
 Record = Mapping[str, Any]  # one metrics record: a JSON object, as SaveStats.as_dict() writes it
 
@@ -94,7 +94,10 @@ def current(records: Sequence[Record]) -> list[Record]:
     """The records, each save's record on each rank once: a failed upload that a later save tried again and that
     succeeded wrote a second record of its save (the same step, rank, world size and time; ``upload_tries`` > 1),
     which replaces the first one, in its place. The step fields (STEP_KEYS) it lacks, it takes from the first (the
-    two are written in either order when the retry ends while the save's cost is not final yet)."""
+    two are written in either order when the retry ends while the save's cost is not final yet). A record a later
+    process wrote for a save as `recovered` (from its manifest) is left out when the save's own record is there too
+    (`stands_in`: two nodes' files merged, save/metrics_copy.py)."""
+    records = [r for r in records if not stands_in(r, records)]
     latest: dict[tuple, Record] = {}
     for r in records:
         k = _retry_key(r)
@@ -117,6 +120,16 @@ def current(records: Sequence[Record]) -> list[Record]:
             if into.get(key) is None and r.get(key) is not None:
                 into[key] = r[key]  # type: ignore[index]
     return out
+
+
+def stands_in(rec: Record, among: Sequence[Record]) -> bool:
+    """`rec` is a recovered record of a save whose own record is `among` the records: the same step, rank and world size,
+    not recovered, made within SAME_SAVE_S of it (a recovered record's time is its COMMIT's)."""
+    if rec.get("recovered") is not True or (t := number(rec, "time")) is None:
+        return False
+    key = (rec.get("step"), rec.get("rank", 0), rec.get("world_size"))
+    return any(o.get("recovered") is not True and (o.get("step"), o.get("rank", 0), o.get("world_size")) == key
+               and (u := number(o, "time")) is not None and abs(t - u) <= SAME_SAVE_S for o in among)
 
 
 def _tries(rec: Record) -> int:

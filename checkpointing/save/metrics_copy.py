@@ -22,6 +22,7 @@ from pathlib import Path
 from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
 from checkpointing.observe.metrics import MAX_METRICS_BYTES, metrics_bytes
+from checkpointing.observe.summary import stands_in
 from checkpointing.storage import FsspecStorage, LocalStorage
 
 log = logging.getLogger("checkpointing")
@@ -73,6 +74,8 @@ def merged(local: bytes, remote: bytes) -> tuple[bytes, int]:
     ours = [line for line in (raw.strip() for raw in local.splitlines()) if line]
     have = set(ours)
     extra = list(dict.fromkeys(line for line in (raw.strip() for raw in remote.splitlines()) if line and line not in have))
+    known = [r for r in map(_record, ours) if r is not None]
+    extra = [line for line in extra if (r := _record(line)) is None or not stands_in(r, known)]  # another node's stand-in
     if not extra:
         return local, 0
     entries = _times(extra) + _times(ours)  # the copy's first: of records of one time, those are the older
@@ -80,16 +83,21 @@ def merged(local: bytes, remote: bytes) -> tuple[bytes, int]:
     return b"".join(entries[i][0] + b"\n" for i in order), len(extra)
 
 
+def _record(line: bytes) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def _times(lines: list[bytes]) -> list[tuple[bytes, float]]:
     """Each line with its record's time (carried forward from the line before when it has none)."""
     out, t = [], -math.inf
     for line in lines:
-        try:
-            rec = json.loads(line)
-            v = rec.get("time") if isinstance(rec, dict) else None
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                t = float(v)
-        except ValueError:
-            pass
+        rec = _record(line)
+        v = rec.get("time") if rec is not None else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            t = float(v)
         out.append((line, t))
     return out
