@@ -303,23 +303,41 @@ def test_a_failed_upload_that_succeeds_later_is_recorded_again_and_the_report_sh
     assert code == 0 and "ok (uploaded at try 2)" in out, out
 
 
-def test_an_upload_that_failed_and_is_resumed_by_the_next_process_records_its_save_again(tmp_path, s3_bucket, run_cli):
-    """The save's first record (upload failed) was written by the process before: the upload the next manager
-    resumes adds the second record, from that one (same time, upload_tries 2)."""
-    local = tmp_path / "local"
+def test_an_upload_that_failed_and_is_resumed_by_later_processes_records_each_try_of_its_save(tmp_path, s3_bucket, run_cli,
+                                                                                             monkeypatch):
+    """The save's first record (upload failed) was written by the process before: each upload a later manager resumes
+    adds a record of that save, from it (same time), counting the tries on over processes (the second process's
+    resumed upload fails too: its filesystem denies step 1's objects; the third one's succeeds)."""
+    import checkpointing.storage.remote as remote_module
+    from faults import FaultyFS
+
+    local, real_open = tmp_path / "local", remote_module.open_endpoint
+
+    def denied(*args, **kwargs):  # the endpoint a manager opens, wrapped before its start-up resumes anything
+        endpoint = real_open(*args, **kwargs)
+        endpoint.fs = FaultyFS(endpoint.fs, Fault("*", "denied", times=-1, path="*step-0000000001*"))
+        return endpoint
+
     with manager(local, s3_bucket) as mgr:
         inject(mgr.remote_storage, Fault("*", "denied", times=-1))
         with pytest.raises(CheckpointUploadError, match="step 1"):
             mgr.save(1, state(1)).wait()
+    monkeypatch.setattr(remote_module, "open_endpoint", denied)
     with manager(local, s3_bucket) as mgr:
-        mgr.wait()  # the resumed upload
+        mgr.wait()  # the resumed upload, failed again (logged: no save of this process waits for it)
+        assert mgr.tiers() == {1: "local"}
+    monkeypatch.setattr(remote_module, "open_endpoint", real_open)
+    with manager(local, s3_bucket) as mgr:
+        mgr.wait()  # resumed once more: it succeeds
         assert mgr.tiers() == {1: "local+remote"}
     lines = read_jsonl(local / naming.METRICS_NAME)
-    assert [(r["step"], r["ok"], r["tier"], r["upload_tries"]) for r in lines] == [(1, False, "local", 1), (1, True, "local+remote", 2)]
-    assert lines[0]["time"] == lines[1]["time"] and lines[0]["stall_s"] == lines[1]["stall_s"] and lines[1]["bytes_uploaded"] > 0
+    assert [(r["step"], r["ok"], r["tier"], r["upload_tries"]) for r in lines] == [
+        (1, False, "local", 1), (1, False, "local", 2), (1, True, "local+remote", 3)]
+    assert len({r["time"] for r in lines}) == 1 and lines[0]["stall_s"] == lines[2]["stall_s"] and lines[2]["bytes_uploaded"] > 0
     code, out = run_cli("report", str(local), "--json")
     doc = json.loads(out)
-    assert code == 0 and [(r["step"], r["ok"]) for r in doc["saves"]] == [(1, True)] and doc["summary"]["failed"] == 0
+    assert code == 0 and [(r["step"], r["ok"], r["upload_tries"]) for r in doc["saves"]] == [(1, True, 3)]
+    assert doc["summary"]["failed"] == 0
 
 
 def test_a_replacement_node_keeps_the_runs_metrics_history_on_the_remote_tier(tmp_path, s3_bucket, run_cli):
@@ -593,7 +611,7 @@ def test_failed_uploads_are_tried_again_by_every_rank_alike(tmp_path, s3_bucket)
     assert sorted(results[0]["again"]) == [1, 1, 1, 2, 2, 2, 3, 3, 4, 5, 5]
     assert results[0]["tiers"] == {1: "local", **{s: "local+remote" for s in (2, 3, 4, 5, 6, 8)}}
     # each rank's record of a save whose upload succeeded on a later try says so (ok, and the try)
-    assert results[0]["records"] == {1: (False, 1), 2: (True, 4), 3: (True, 3), 4: (True, 2), 5: (True, 3), 6: (True, 1),
+    assert results[0]["records"] == {1: (False, 4), 2: (True, 4), 3: (True, 3), 4: (True, 2), 5: (True, 3), 6: (True, 1),
                                      7: (False, 1), 8: (True, 1)}
     assert assert_remote_whole(remote_of(s3_bucket)) == [2, 3, 4, 5, 6, 8]
 

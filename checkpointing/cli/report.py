@@ -86,7 +86,8 @@ def saves_view(records: Sequence[Record], title: str = "saves", *, wide: bool = 
         row += [unit(number(r, key)) for (key, _, _, _), unit in zip(cols, units)]
         err, mark = r.get("error"), " (recovered)" if r.get("recovered") is True else ""
         tries = r.get("upload_tries")
-        mark += f" (uploaded at try {tries})" if isinstance(tries, int) and not isinstance(tries, bool) and tries > 1 else ""
+        if isinstance(tries, int) and not isinstance(tries, bool) and tries > 1:
+            mark += f" (uploaded at try {tries})" if succeeded(r) else f" (upload try {tries})"
         row.append(Text("ok" + mark, style="green") if succeeded(r) else Text.assemble(("error", "red"), f" {err}" if err else "", mark))
         rows.append(row)
     return tables.fit(columns, rows, width=width, wide=wide, title=title)

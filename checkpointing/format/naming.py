@@ -3,7 +3,7 @@
     <root>/step-0000000010/r00000.<token>.pack    data written by rank 0 for step 10
     <root>/step-0000000010/manifest.<token>.json   canonical JSON manifest
     <root>/step-0000000010/COMMIT                  commit marker, written last
-    <root>/metrics.jsonl                            one JSON line per save (a 2nd when a failed upload succeeds later)
+    <root>/metrics.jsonl                            one JSON line per save (+1 per later try of a failed upload)
     <root>/spares/<token>.pack                      a retired pack file kept to be written over by the next save
 """
 

@@ -5,7 +5,7 @@ makes each SaveStats from its job).
 A save's record is complete once its step-time cost is final (steptime.py: after the steps that
 ran during its background work). Until then `mgr.stats()` and `handle.wait()` show it without the
 step fields; `metrics.jsonl` and `on_metrics` get it once, complete (see SaveAccounting), and once more
-when its upload failed and a later try succeeds (SaveStats.upload_tries).
+for each later try of its upload when that failed (SaveStats.upload_tries).
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ class SaveStats:
         committed on the remote tier (every rank's data up, then rank 0's manifest and COMMIT); the
         bytes this rank uploaded, and their rate over this rank's own transfer time.
     upload_tries (None without a remote tier): the try of the upload this record reports (1: the
-        upload that followed the save). A failed upload tried again at a later save (save/uploader.py)
-        that succeeds gets a second record of its save: the same step, rank and time, ok=True,
-        tier="local+remote", upload_tries > 1 and the successful try's upload fields; it replaces the
-        first record (observe/summary.py `current`).
+        upload that followed the save). Each later try of a failed upload (a later save's, or a resumed
+        one in the next process: save/uploader.py) gives its save another record: the same step, rank
+        and time, that try's upload fields and upload_tries, and, when it succeeded, ok=True,
+        tier="local+remote"; the one with the highest upload_tries replaces the others
+        (observe/summary.py `current`).
     ok: durable on every configured tier; a step whose upload failed has ok=False, tier="local"
         and the upload error in `error` (it is committed locally). committed: the step is committed
         on the local tier (True also when only its upload or peer copy failed).

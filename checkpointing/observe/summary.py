@@ -91,9 +91,9 @@ def succeeded(rec: Record) -> bool:
 
 
 def current(records: Sequence[Record]) -> list[Record]:
-    """The records, each save's record on each rank once: a failed upload that a later save tried again and that
-    succeeded wrote a second record of its save (the same step, rank, world size and time; ``upload_tries`` > 1),
-    which replaces the first one, in its place. The step fields (STEP_KEYS) it lacks, it takes from the first (the
+    """The records, each save's record on each rank once: each later try of a failed upload wrote another record of
+    its save (the same step, rank, world size and time; ``upload_tries`` > 1); the one with the most tries replaces
+    the others, in the first one's place. The step fields (STEP_KEYS) it lacks, it takes from the first (the
     two are written in either order when the retry ends while the save's cost is not final yet). A record a later
     process wrote for a save as `recovered` (from its manifest) is left out when the save's own record is there too
     (`stands_in`: two nodes' files merged, save/metrics_copy.py)."""

@@ -87,8 +87,7 @@ class SaveRecords:
                      "resumed upload" if upload.tries == 1 else f"upload (try {upload.tries})", upload.step,
                      upload.bytes_uploaded / 1e6, upload.bytes_present / 1e6, self._remote)
         if upload.save is not None:
-            if upload.error is None:
-                self._save_uploaded(upload.save, upload)
+            self._save_uploaded(upload.save, upload)
             return
         with self._lock:
             if self._recovering is None:
@@ -97,15 +96,16 @@ class SaveRecords:
                 self._resumed_ended(upload)
 
     def _save_uploaded(self, job: SaveJob, upload: UploadJob) -> None:
-        """A save of this process recorded with its upload failed is on the remote tier now: its record, amended,
-        replaces the one in stats() and follows it in metrics.jsonl (unless its cost is not final yet: then it is
-        the one written)."""
-        fields = dict(upload_fields(upload), ok=True, error=None, tier="local+remote")
+        """A later try of the failed upload of a save of this process ended: its record, amended with this try (on the
+        remote tier now, or failed again), replaces the one in stats() and follows it in metrics.jsonl (unless its cost
+        is not final yet: then it is the one written)."""
+        fields = _tried(upload, upload.tries)
         with self._lock:
             old = job.outcome.stats
             if old is None:  # not recorded (never the case: the failed try recorded it)
                 return
-            job.outcome.retried = fields
+            if upload.error is None:
+                job.outcome.retried = fields
             new = dataclasses.replace(old, **fields)
             self._swap(old, new)
             job.outcome.stats = new
@@ -122,10 +122,9 @@ class SaveRecords:
                                     error=None if ok else f"{type(upload.error).__name__}: {upload.error}")
             if stats is not None and not ok:
                 self._upload_failed[upload.step] = (stats.as_dict(), 0)
-        elif upload.error is None and upload.step in self._upload_failed:
-            rec, tried = self._upload_failed.pop(upload.step)
-            fields = dict(upload_fields(upload), upload_tries=tried + upload.tries, ok=True, error=None, tier="local+remote")
-            self._acct.sink.emit(dict(rec, **fields), now=True)
+        elif upload.step in self._upload_failed:  # every try's record: the next process counts on from the last
+            rec, tried = self._upload_failed[upload.step] if upload.error is not None else self._upload_failed.pop(upload.step)
+            self._acct.sink.emit(dict(rec, **_tried(upload, tried + upload.tries)), now=True)
 
     def recover(self, storage: Storage, *, resumed: set[int], remote: Uploader | None) -> None:
         """At start: a record (SaveStats.recovered) for each step committed on the local tier (or on the
@@ -187,6 +186,13 @@ class SaveRecords:
             if self._stats[i] is old:
                 self._stats[i] = new
                 return
+
+
+def _tried(upload: UploadJob, tries: int) -> dict[str, Any]:
+    """The fields a later try of a failed upload (the `tries`-th of the save's) changes in its save's record."""
+    ok = upload.error is None
+    return dict(upload_fields(upload), upload_tries=tries, ok=ok, tier="local+remote" if ok else "local",
+                error=None if ok else f"{type(upload.error).__name__}: {upload.error}")
 
 
 def upload_fields(upload: UploadJob) -> dict[str, Any]:
