@@ -254,6 +254,39 @@ def test_a_failed_upload_is_logged_and_the_saves_go_on(tmp_path, s3_bucket, capl
     assert torch.equal(io.load_checkpoint(tmp_path / "ckpts" / "s5.ckpt")["state_dict"]["w"], torch.full((4,), 4.0))
 
 
+def test_an_outage_while_released_steps_are_deleted_does_not_stop_training(tmp_path, s3_bucket, caplog):
+    """save_top_k=1 in an outage: deleting a released step needs the remote tier's listing, which fails. The step stays
+    (listed as released, logged) and training goes on; teardown does not raise; the next run deletes it once the tier
+    answers."""
+    url, options = s3_bucket
+    ckpts = tmp_path / "ckpts"
+    io = LightningCheckpointIO(tmp_path / "store", remote=url, storage_options=options)
+    weights = {"w": torch.zeros(4)}
+    io.save_checkpoint({"global_step": 1, "state_dict": weights}, ckpts / "s1.ckpt")
+    io.manager.wait()
+    io.manager.remote_storage.retry = RetryPolicy(attempts=2, base_s=0.001, cap_s=0.002)
+    proxy = inject(io.manager.remote_storage, Fault("*", "denied", times=-1))
+    with caplog.at_level(logging.WARNING, logger="checkpointing"):
+        for step in range(2, 6):  # as ModelCheckpoint(save_top_k=1): save the new file, remove the old one
+            weights["w"] += 1
+            io.save_checkpoint({"global_step": step, "state_dict": weights}, ckpts / f"s{step}.ckpt")
+            io._steps[step].settled.wait(60)
+            io.remove_checkpoint(ckpts / f"s{step - 1}.ckpt")
+        io.teardown()
+    assert "stays for now" in caplog.text
+    assert _pointers(ckpts) == {"s5.ckpt": 5}
+    proxy.faults.clear()
+    with CheckpointManager(tmp_path / "store", read_only=True) as ro:
+        kept = ro.steps()
+    assert 5 in kept and len(kept) > 1  # the released steps are still there
+    again = LightningCheckpointIO(tmp_path / "store", remote=url, storage_options=options)
+    assert torch.equal(again.load_checkpoint(ckpts / "s5.ckpt")["state_dict"]["w"], torch.full((4,), 4.0))
+    again.save_checkpoint({"global_step": 6, "state_dict": weights}, ckpts / "s6.ckpt")  # the next run: they go now
+    again.teardown()
+    with CheckpointManager(tmp_path / "store", read_only=True) as ro:
+        assert 5 in ro.steps() and not set(kept) - {5} & set(ro.steps())
+
+
 def test_a_save_as_a_scripts_last_line_writes_its_pointers(tmp_path):
     script = (f"import torch\nfrom checkpointing.integrations.lightning import LightningCheckpointIO\n"
               f"io = LightningCheckpointIO({str(tmp_path / 'store')!r})\nw = {{'w': torch.randn(1 << 20)}}\n"
@@ -746,3 +779,55 @@ def test_an_upload_failing_while_teardown_waits_is_logged_not_raised(tmp_path, s
     assert "upload" in caplog.text and io.manager is None
     assert _pointers(tmp_path / "ckpts") == {"s1.ckpt": 1, "s2.ckpt": 2}
     assert torch.equal(io.load_checkpoint(tmp_path / "ckpts" / "s2.ckpt")["state_dict"]["w"], torch.ones(4))
+
+
+_DIES_AFTER_COMMIT = r'''
+import os, sys, warnings; warnings.filterwarnings("ignore")
+import torch
+from torch import nn
+import lightning.pytorch as pl
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from checkpointing.integrations.lightning import LightningCheckpointIO
+root, crash_at, max_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+SCORES = [5.0, 4.0, 3.0, 2.0] + [9.0] * 60
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__(); self.l = nn.Linear(1, 1)
+    def training_step(self, b, i):
+        self.log("score", float(SCORES[int(b[0][0, 0])]))
+        return self.l(b[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+io = LightningCheckpointIO(root + "/mgr")
+if crash_at:
+    orig = LightningCheckpointIO._settle
+    def settle(self, step, entry, handle):
+        if step == crash_at:
+            handle.wait(); os._exit(9)   # the process dies right after the commit, before the pointers are written
+        return orig(self, step, entry, handle)
+    LightningCheckpointIO._settle = settle
+dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(64.).reshape(64, 1)), batch_size=1)
+cb = ModelCheckpoint(dirpath=root + "/ck", every_n_train_steps=1, save_top_k=1, monitor="score", mode="min", save_last="link")
+t = Trainer(plugins=[io], callbacks=[cb], max_steps=max_steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, accelerator="cpu", devices=1, limit_val_batches=0)
+t.fit(M(), dl, ckpt_path="last")
+'''
+
+
+def test_a_step_committed_by_a_run_that_died_before_its_pointers_is_deleted_once_released(tmp_path):
+    """save_last="link", save_top_k=1: a run dies right after step 4 commits, before its pointers are written (only
+    placeholders name it). The next runs remove those placeholders at their commits and release step 4 with them, so it
+    is deleted, not kept for ever."""
+    script = tmp_path / "child.py"
+    script.write_text(_DIES_AFTER_COMMIT)
+
+    def run(crash_at: int, max_steps: int) -> None:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), str(crash_at), str(max_steps)], capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == (9 if crash_at else 0), done.stdout[-2000:] + done.stderr[-2000:]
+
+    run(4, 10)
+    run(0, 12)
+    on_disk = {int(d.name[5:]) for d in (tmp_path / "mgr").iterdir() if d.name.startswith("step-")}
+    assert 4 not in on_disk and on_disk == set(_pointers(tmp_path / "ck").values()), (on_disk, _pointers(tmp_path / "ck"))

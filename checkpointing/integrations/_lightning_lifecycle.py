@@ -16,6 +16,8 @@ from typing import Any, Callable
 from lightning.pytorch.strategies import Strategy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from checkpointing.errors import CheckpointError, CheckpointNotFoundError
+
 log = logging.getLogger("checkpointing")
 
 MAX_DEPTH = 64  # frames between a Strategy's optimizer_step and the optimizer's step hooks (a few in practice)
@@ -59,3 +61,18 @@ def stepped_for(io: Any, frame: Any) -> bool:
                 return False
         frame = frame.f_back
     return False
+
+
+def delete_steps(mgr: Any, steps: list[int]) -> set[int]:
+    """mgr.delete() each of `steps` (released by Lightning); those that stay, returned: a tier that cannot be listed (an
+    outage) fails a delete, and training goes on (they are tried again at the next collection, or by the next run)."""
+    kept = set()
+    for step in steps:
+        try:
+            mgr.delete(step, allow_latest=True)
+        except CheckpointNotFoundError:
+            pass  # gone already (a retention of the manager's own)
+        except CheckpointError as exc:
+            log.warning("checkpointing: LightningCheckpointIO: step %d stays for now: %s", step, exc)
+            kept.add(step)
+    return kept

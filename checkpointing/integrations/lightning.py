@@ -188,8 +188,8 @@ class LightningCheckpointIO(CheckpointIO):
                 del entry.pending[target]
                 self._doomed.add(step)
         pointer = ptr.read_pointer_quietly(target)
-        if pointer is not None and pointer.directory == self.directory:
-            self._doomed.add(pointer.step)
+        if pointer is not None and pointer.directory == self.directory:  # (a placeholder: its save's step too, left by a crash)
+            self._doomed.update([pointer.step] + ([pointer.pending[0]] if pointer.pending is not None else []))
             self._journal()
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
@@ -323,16 +323,13 @@ class LightningCheckpointIO(CheckpointIO):
                                                     and not (s in self._steps and self._steps[s].in_flight())})
                 return
             doomed, self._doomed = self._doomed - self._referenced(), set()
-        for step in sorted(doomed):
-            if step in self._on_disk:
-                try:
-                    mgr.delete(step, allow_latest=True)
-                except CheckpointNotFoundError:
-                    pass  # gone already (a retention of the manager's own)
-            with self._lock:
+        kept = life.delete_steps(mgr, sorted(s for s in doomed if s in self._on_disk))
+        with self._lock:
+            for step in doomed - kept:
                 self._on_disk.discard(step)
                 self._steps.pop(step, None)
-        ptr.write_released(mgr.storage, set())
+            self._doomed |= kept
+        ptr.write_released(mgr.storage, kept)
 
     def _replace(self, step: int) -> None:
         """A save at `step`, committed by an earlier run: delete the old step and the pointers naming it."""
