@@ -122,7 +122,7 @@ class SaveAccounting:
         return stats
 
     def amend(self, old: SaveStats, new: SaveStats) -> bool:
-        """A durable save's record changed (its upload, tried again, succeeded): when its cost is not final yet,
+        """A durable save's record changed (a later try of its failed upload ended): when its cost is not final yet,
         `new` is what gets it and is written then (True); else False (its record is written: the caller writes `new`)."""
         with self._lock:
             waiting = self._pending.get(old.step, [])

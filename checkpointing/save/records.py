@@ -71,9 +71,9 @@ class SaveRecords:
         self._acct.settle(job.step, stats.ok)
 
     def upload_finished(self, upload: UploadJob) -> None:
-        """After each upload (on the upload thread, before upload.done is set): its save's record; for a failed
-        upload tried again or one resumed at start-up, a log line, and when it makes a save recorded with its upload
-        failed durable on the remote tier, a second record of that save (SaveStats.upload_tries)."""
+        """After each upload (on the upload thread, before upload.done is set): its save's record; for a later try of
+        a failed upload, or an upload resumed at start-up, a log line and, for a save recorded with its upload failed,
+        another record of that save (SaveStats.upload_tries)."""
         if upload.error is not None:
             upload.error = CheckpointUploadError(upload.step, self._remote, upload.error)
         if upload.save is not None and upload.tries == 1:
@@ -114,7 +114,7 @@ class SaveRecords:
 
     def _resumed_ended(self, upload: UploadJob) -> None:
         """(Under the lock, once recover() ran.) A resumed upload, or a try of one, ended: the recovered record
-        recover() left to it; or, when it succeeded, the second record of a save recorded with its upload failed."""
+        recover() left to it; or another record of a save recorded with its upload failed, for this try."""
         if upload.step in self._recovering:  # type: ignore[operator]
             self._recovering.discard(upload.step)  # type: ignore[union-attr]
             ok = upload.error is None
