@@ -170,8 +170,7 @@ def last_recorded_step(path: os.PathLike | str, rank: int, *, tail_bytes: int = 
     with f:
         size = os.fstat(f.fileno()).st_size
         for start in dict.fromkeys((max(0, size - tail_bytes), 0)):
-            f.seek(start)
-            for line in reversed(f.read().splitlines()[1 if start else 0:]):  # a tail's first line may be cut
+            for line in reversed(_lines_from(f, start)):
                 try:
                     rec = json.loads(line)
                 except ValueError:
@@ -188,10 +187,8 @@ def failed_uploads(path: os.PathLike | str, rank: int, steps: set[int], *, tail_
     if f is None:
         return {}
     with f:
-        start = max(0, os.fstat(f.fileno()).st_size - tail_bytes)
-        f.seek(start)
         last: dict[int, dict[str, Any]] = {}
-        for rec in parse_jsonl(b"\n".join(f.read().splitlines()[1 if start else 0:])):  # a tail's first line may be cut
+        for rec in parse_jsonl(b"\n".join(_lines_from(f, max(0, os.fstat(f.fileno()).st_size - tail_bytes)))):
             if isinstance(rec, dict) and rec.get("rank", 0) == rank and rec.get("step") in steps:
                 last[rec["step"]] = rec
     out = {}
@@ -200,6 +197,12 @@ def failed_uploads(path: os.PathLike | str, rank: int, steps: set[int], *, tail_
             tries = rec.get("upload_tries")
             out[step] = (rec, tries if isinstance(tries, int) and not isinstance(tries, bool) and tries > 0 else 1)
     return out
+
+
+def _lines_from(f: BinaryIO, start: int) -> list[bytes]:
+    """The lines of `f` from byte `start` on; past 0, without the first (a tail's first line may be cut)."""
+    f.seek(start)
+    return f.read().splitlines()[1 if start else 0:]
 
 
 def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:

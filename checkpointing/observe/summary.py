@@ -155,7 +155,11 @@ def by_save(records: Sequence[Record]) -> list[list[Record]]:
     so is a save some rank wrote no record of (it failed inside save(), or was killed). A record
     without a rank is rank 0's; one without a step is a save of its own. A record a later one replaced (`current`)
     is left out."""
-    records = current(records)
+    return _group(current(records))
+
+
+def _group(records: Sequence[Record]) -> list[list[Record]]:
+    """by_save() of records `current` already folded."""
     groups: list[list[Record]] = []
     open_saves: dict[tuple, list[int]] = {}
     for r in records:
@@ -265,7 +269,7 @@ def summarize(records: Sequence[Record], mtbf_s: float | None = None, restart_s:
     of the median per-save ``stall_s + slowdown_s``. Raises CheckpointConfigError for a bad MTBF."""
     records = current(records)
     good = [r for r in records if succeeded(r)]
-    saves = by_save(records)
+    saves = _group(records)
     good_saves = sum(all(succeeded(r) for r in save) for save in saves)
     local = [r for r in records if succeeded(r) or r.get("committed") is True]  # an upload that failed: the loop paid all the same
 

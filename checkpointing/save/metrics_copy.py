@@ -18,6 +18,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Iterable
 
 from checkpointing.errors import CheckpointError
 from checkpointing.format import naming
@@ -71,11 +72,12 @@ def adopt(local: LocalStorage, remote: FsspecStorage) -> int:
 def merged(local: bytes, remote: bytes) -> tuple[bytes, int]:
     """The local file's lines with the remote copy's lines it lacks, ordered by each record's `time` (stable: a
     line without one keeps the time of the line before it); and how many were added."""
-    ours = [line for line in (raw.strip() for raw in local.splitlines()) if line]
-    have = set(ours)
-    extra = list(dict.fromkeys(line for line in (raw.strip() for raw in remote.splitlines()) if line and line not in have))
-    known = [r for r in map(_record, ours) if r is not None]
-    extra = [line for line in extra if (r := _record(line)) is None or not stands_in(r, known)]  # another node's stand-in
+    ours = _parsed(line for line in (raw.strip() for raw in local.splitlines()) if line)
+    have = {line for line, _ in ours}
+    known = [rec for _, rec in ours if rec is not None]
+    extra = [(line, rec) for line, rec in _parsed(dict.fromkeys(
+        line for line in (raw.strip() for raw in remote.splitlines()) if line and line not in have))
+        if rec is None or not stands_in(rec, known)]  # (a stand-in: another node's recovered record of a save recorded here)
     if not extra:
         return local, 0
     entries = _times(extra) + _times(ours)  # the copy's first: of records of one time, those are the older
@@ -83,19 +85,22 @@ def merged(local: bytes, remote: bytes) -> tuple[bytes, int]:
     return b"".join(entries[i][0] + b"\n" for i in order), len(extra)
 
 
-def _record(line: bytes) -> dict | None:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) else None
+def _parsed(lines: Iterable[bytes]) -> list[tuple[bytes, dict | None]]:
+    """Each line with its record (None: not a JSON object)."""
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        out.append((line, rec if isinstance(rec, dict) else None))
+    return out
 
 
-def _times(lines: list[bytes]) -> list[tuple[bytes, float]]:
+def _times(entries: list[tuple[bytes, dict | None]]) -> list[tuple[bytes, float]]:
     """Each line with its record's time (carried forward from the line before when it has none)."""
     out, t = [], -math.inf
-    for line in lines:
-        rec = _record(line)
+    for line, rec in entries:
         v = rec.get("time") if rec is not None else None
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             t = float(v)
