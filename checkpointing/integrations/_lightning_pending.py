@@ -11,6 +11,8 @@ leaves the previous checkpoint reachable (docs/design.md, "The Lightning plugin"
   placeholder at once (`place`): a copy of the newest committed pointer a link names, marked
   with the save in flight (Pointer.pending). A link made to it reads that step until the commit
   replaces the placeholder by the save's own pointer; after a crash, `ckpt_path="last"` resumes there.
+- a load of a path whose save is in flight waits for that save's commit (`wait_for_save`): the path
+  names the step Lightning just gave for it, never the one it named before (or nothing).
 """
 
 from __future__ import annotations
@@ -18,11 +20,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from typing import Callable, Collection, Mapping
 
+from checkpointing.errors import CheckpointError
 from checkpointing.integrations import _lightning_pointer as ptr
 
 log = logging.getLogger("checkpointing")
+
+
+def wait_for_save(target: str, steps: Mapping[int, ptr.PointedStep], lock: threading.Lock) -> None:
+    """Before `target` is loaded: wait until each save in flight whose pointer goes to `target` has written it (at its
+    commit); raise when such a save failed (nothing new was written there)."""
+    with lock:
+        saving = [(step, entry) for step, entry in steps.items() if target in entry.pending]
+    for step, entry in saving:
+        if not entry.wait_committed():
+            error = entry.handle.exception() if entry.handle is not None else None
+            raise CheckpointError(f"{target} cannot be loaded: its save (step {step}) failed ({error}), so it names no "
+                                  "checkpoint of that save: load another checkpoint, or save again") from error
 
 
 def place(target: str, directory: str, committed: Collection[int], pending: tuple[int, str]) -> None:
@@ -58,9 +74,19 @@ class Removals:
         self.owner: ptr.PointedStep | None = None
         self.waiting: list[tuple[str, ptr.PointedStep]] = []  # (path, the save whose commit it waits for)
         self.orphans: list[str] = []  # removals whose save failed: the next save takes them
+        self.reordered = False  # a wrapper (AsyncCheckpointIO) hands saves over after Lightning made them: `early`
+        self.early: set[str] = set()  # paths removed before their save reached this plugin (or while it ran)
+        self.arriving: set[str] = set()  # paths whose save call runs, before it is registered (`saved`)
 
-    def request(self, target: str, remove: Callable[[str], None]) -> None:
-        """Lightning removes `target`: now when the newest save is committed (or there was none), else at its commit."""
+    def request(self, target: str, remove: Callable[[str], None], steps: Mapping[int, ptr.PointedStep]) -> None:
+        """Lightning removes `target`: now when the newest save is committed (or there was none), else at its commit.
+        Behind a reordering wrapper, a path neither on disk nor waiting for a commit: its save is still in the wrapper's
+        queue (Lightning removes only paths it saved), and is dropped when it arrives (`arrives`), or it runs now, and
+        the path goes at its commit (`saved`)."""
+        unknown = not os.path.lexists(target) and not any(target in e.pending for e in steps.values())
+        if self.reordered and (unknown or target in self.arriving):
+            self.early.add(target)
+            return
         owner = self.owner
         if owner is None or (owner.committed and not owner.in_flight()):
             remove(target)
@@ -69,10 +95,23 @@ class Removals:
         else:  # the newest save failed: the next one takes it
             self.orphans.append(target)
 
+    def arrives(self, target: str) -> bool:
+        """A save call for `target` begins: False when Lightning removed `target` already (`request`): it is not made."""
+        if target in self.early:
+            self.early.discard(target)
+            log.debug("checkpointing: LightningCheckpointIO: %s was removed before its save reached the plugin: not saved", target)
+            return False
+        self.arriving.add(target)
+        return True
+
     def saved(self, target: str, entry: ptr.PointedStep, remove: Callable[[str], None]) -> None:
         """A save call for `target` made `entry` the newest: a removal of `target` waiting is void; orphans join it."""
         self.waiting = [(t, e) for t, e in self.waiting if t != target]
         self.owner = entry
+        self.arriving.discard(target)
+        if target in self.early:  # removed while this save call ran (a reordering wrapper): at its commit
+            self.early.discard(target)
+            self.waiting.append((target, entry))
         orphans, self.orphans = [t for t in self.orphans if t != target], []
         for t in orphans:
             self.request(t, remove)
@@ -96,7 +135,7 @@ class Removals:
     def left(self) -> list[str]:
         """At teardown: the removals no committed save took (their pointers stay: logged); forgotten here."""
         left, self.orphans, self.owner = self.orphans + [t for t, _ in self.waiting], [], None
-        self.waiting = []
+        self.waiting, self.early, self.arriving = [], set(), set()
         if left:
             log.warning("checkpointing: LightningCheckpointIO: %s stay, although Lightning removed them: no save "
                         "after their removal committed", ", ".join(sorted(left)))

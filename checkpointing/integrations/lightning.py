@@ -71,7 +71,7 @@ class LightningCheckpointIO(CheckpointIO):
         self._reported: set[int] = set()  # failed steps the manager raised itself already
         self._removals = pend.Removals(self.directory)  # what Lightning removed while a save was in flight (_lightning_pending.py)
         self._user_codecs = tuple(codecs)
-        self._opener = life.arm(self, LightningCheckpointIO._after_step)  # only for steps a Trainer using this plugin takes
+        self._opener = life.arm(self)  # opens the manager at a Trainer's first step (_lightning_lifecycle.py)
 
     def __reduce__(self) -> tuple:  # Lightning's spawn launcher sends the plugin to its workers: a new one with this configuration
         if self._mgr is not None:
@@ -97,6 +97,9 @@ class LightningCheckpointIO(CheckpointIO):
             raise CheckpointConfigError(f"the checkpoint for {target} has global_step={step!r}: LightningCheckpointIO numbers steps by it")
         if ID_KEY in checkpoint:
             raise CheckpointConfigError(f"the checkpoint for {target} has a key {ID_KEY!r}, which LightningCheckpointIO reserves")
+        with self._lock:
+            if not self._removals.arrives(target):  # removed by Lightning while its save waited in a wrapper's queue
+                return
         os.makedirs(os.path.dirname(target), exist_ok=True)  # as Torch's IO: Lightning may link to the path at once
         mgr = self._open()
         self._collect()
@@ -129,6 +132,7 @@ class LightningCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict saved for `path`: CPU tensors unless `map_location` moves them (weights_only: nothing is unpickled anyway)."""
         target = vals.local_path(path)
+        pend.wait_for_save(target, self._steps, self._lock)  # a save for `target` in flight: its pointer first
         if not os.path.exists(target):
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
         pointer = ptr.read_pointer(target)
@@ -178,7 +182,7 @@ class LightningCheckpointIO(CheckpointIO):
         if self._mgr is None and getattr(ptr.read_pointer_quietly(target), "directory", None) == self.directory:
             self._open()  # a plugin that has not saved (a cleanup script): deleting the step needs the manager
         with self._lock:  # while the newest save is in flight, at its commit: the old pointer stays until the new one is there
-            self._removals.request(target, self._remove_now)
+            self._removals.request(target, self._remove_now, self._steps)
         self._collect()
 
     def _remove_now(self, target: str) -> None:
@@ -216,18 +220,6 @@ class LightningCheckpointIO(CheckpointIO):
                 self._mgr = None
                 mgr.close()
         self._raise_errors(failure)
-
-    @staticmethod
-    def _after_step(io: "LightningCheckpointIO") -> None:
-        """After an optimizer step of a Trainer that uses `io`: open the manager (global rank 0), which then defers the
-        copy of the state the optimizer steps, so that the first save costs the loop no more than the later ones."""
-        if io._mgr is None:
-            vals.add_rank_zero_group(io._options)  # under DDP, on every rank once (a collective): the group rank 0 saves in
-        if io._mgr is None and vals.global_rank_zero():
-            try:
-                io._open()
-            except CheckpointError as exc:  # the first save raises it, where Lightning reports it
-                log.debug("checkpointing: LightningCheckpointIO: opening the manager after a step: %s", exc)
 
     def _open(self) -> CheckpointManager:
         if self._mgr is None:
