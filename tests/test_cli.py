@@ -168,9 +168,14 @@ def test_gc_aborts_a_multipart_upload_left_unfinished(saved, run):
     code, out = run("gc", url, *opts(options), "--dry-run", "--min-age-s", "0")
     assert code == 0 and "would abort the unfinished multipart upload of step-0000000009/r00000.abc.pack" in out, out
     assert "1 unfinished upload(s): run without --dry-run to abort them" in out, out  # (moto dates every upload 2010: no age test)
+    foreign = [f"{prefix}/other/big.bin", f"{prefix}/notes.bin", f"{prefix}/step-0000000009/notes.bin"]  # another program's
+    for name in foreign:
+        client().create_multipart_upload(Bucket=bucket, Key=name)
     code, out = run("gc", url, *opts(options), "--min-age-s", "0")
     assert code == 0 and "aborted the unfinished multipart upload of step-0000000009/r00000.abc.pack" in out, out
-    assert client().list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", []) == []
+    assert "1 unfinished upload(s) aborted" in out and "notes.bin" not in out, out
+    left = client().list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+    assert sorted(u["Key"] for u in left) == sorted(foreign)  # gc aborts only uploads of names a save writes
     code, out = run("verify", url, *opts(options))
     assert code == 0 and "all 3 step(s) verified" in out, out
 

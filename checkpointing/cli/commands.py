@@ -219,13 +219,22 @@ def gc(args: argparse.Namespace, console: Console) -> int:
 
 
 def _stale_uploads(storage: Storage, min_age_s: float, *, abort: bool) -> list[tuple[str, float]]:
-    """S3: multipart uploads older than `min_age_s` that never finished (their parts cost storage); aborted unless a dry run."""
+    """S3: multipart uploads older than `min_age_s` that never finished (their parts cost storage); aborted unless a dry run.
+    Only of names a save writes (a step directory's files, the metrics file): another program's uploads there are its own."""
     if not isinstance(storage, FsspecStorage):
         return []
-    found = storage.stale_uploads(min_age_s)
+    found = [up for up in storage.stale_uploads(min_age_s) if _written_by_a_save(up[0])]
     for path, upload_id, _ in found if abort else ():
         storage.abort_upload(path, upload_id)
     return [(path, age) for path, _, age in found]
+
+
+def _written_by_a_save(path: str) -> bool:
+    """Whether `path` (below a checkpoint's root) is a name a save writes."""
+    parts = path.split("/")
+    if len(parts) == 1:
+        return parts[0] == naming.METRICS_NAME
+    return len(parts) == 2 and naming.parse_step_dir(parts[0]) is not None and naming.written_in_step(parts[1])
 
 
 def _has_lock_file(storage: object) -> bool:

@@ -116,8 +116,11 @@ def _newest_readable(storage: Storage, committed: list[int]) -> Manifest:
 def open_readonly(path_or_url: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Storage:
     """A URL opened with `storage_options`; a directory opened read-only (it must exist; nothing is created)."""
     target = os.fspath(path_or_url)
+    if not target:  # an unset variable: never the current directory
+        raise CheckpointConfigError(f"path_or_url={path_or_url!r} is empty: pass the checkpoint directory or URL")
     if "://" in target:
         return open_storage(target, storage_options)
+    target = os.path.expanduser(target)
     if storage_options:
         raise CheckpointConfigError(f"storage_options apply to URLs such as s3://bucket/path, not to the directory {target!r}")
     if Path(target).is_file():

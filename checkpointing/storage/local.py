@@ -46,7 +46,7 @@ class LocalStorage:
     """
 
     def __init__(self, root: str | os.PathLike, *, direct: bool = True, fsync: bool = True, create: bool = True) -> None:
-        self.root = Path(root).absolute()
+        self.root = Path(os.path.expanduser(os.fspath(root))).absolute()  # "~/ckpt": the home directory's, as a shell would
         self.url = str(self.root)
         self.direct = direct
         self.fsync = fsync
@@ -259,13 +259,20 @@ class LocalStorage:
         parent, name = self._split(path)
         sync = self.fsync and durable
         tmp = f"{name}.tmp-{new_token()}"
-        fd = self._create(self._abs(f"{parent}/{tmp}" if parent else tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            fd = self._create(self._abs(f"{parent}/{tmp}" if parent else tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError as exc:
+            raise _naming(exc, self._abs(path))
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             if sync:
                 os.fsync(fd)
+        except OSError as exc:  # a full disk, say: the temporary goes, and the error names the file
+            with contextlib.suppress(OSError), self._dir(parent) as dfd:
+                os.unlink(tmp, dir_fd=dfd)
+            raise _naming(exc, self._abs(path))
         finally:
             os.close(fd)
         with self._dir(parent) as dfd:
@@ -362,3 +369,10 @@ class LocalStorage:
                 os.rmdir(name, dir_fd=dfd)  # fails on a directory something was created in meanwhile
             if self.fsync:
                 os.fsync(dfd)
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """`exc` naming `path`: an error of a file opened relative to a directory's descriptor names only its name (or nothing)."""
+    if not isinstance(exc.filename, (str, bytes)) or not os.path.isabs(os.fsdecode(exc.filename)):
+        exc.filename = str(path)
+    return exc

@@ -46,6 +46,10 @@ HINT_BUCKET = "check the bucket name in the URL, the region and endpoint_url"
 HINT_CLOCK = "check the system clock: the request signature is too far from the server's time"
 HINT_TRANSIENT = "the service kept failing with transient errors: check endpoint_url and connectivity, or allow more RetryPolicy.attempts"
 HINT_OTHER = "check the bucket name / credentials / endpoint_url"
+HINT_FS_ACCESS = "check that this process may write and read there (the directories' owner and mode)"
+HINT_FS_SPACE = "free space on that filesystem (or raise its quota or the process's file size limit)"
+HINT_FS_OTHER = "check that path on the filesystem (a file where a directory belongs, or a device error)"
+_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +245,15 @@ def translate(exc: Exception, *, what: str, where: str, attempts: int = 1, secre
         return FileExistsError(errno.EEXIST, f"{where} already exists (conditional create refused)")
     if info.kind is ErrorKind.RANGE:
         return EOFError(f"{where}: the requested range is past the end of the object")
+    if isinstance(exc, OSError) and exc.errno is not None and _on_a_filesystem(where):  # not a service: no credentials
+        hint = HINT_FS_ACCESS if isinstance(exc, PermissionError) else HINT_FS_SPACE if exc.errno in _SPACE_ERRNOS else HINT_FS_OTHER
+        info = dataclasses.replace(info, hint=hint if info.kind is not ErrorKind.TRANSIENT else info.hint)
     return RemoteStorageError(what, where, exc, info, attempts, secrets)
+
+
+def _on_a_filesystem(where: str) -> bool:
+    """Whether `where` (a request's URL) is on a filesystem of this machine: file://, or a plain path."""
+    return where.startswith(("file://", "local://", "/")) or "://" not in where
 
 
 def retry_call(

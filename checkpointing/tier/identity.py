@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import secrets
 
-from checkpointing.errors import CheckpointError
+from checkpointing.errors import CheckpointConfigError, CheckpointError
 from checkpointing.storage import LocalStorage, Storage
 from checkpointing.tier import catalog
 from checkpointing.tier.opening import ReadOnlyLocalStorage
@@ -37,6 +37,21 @@ def ensure_tier_id(storage: Storage) -> str:
         found = read_tier_id(storage)
     if found is not None and recovered in (None, found):
         return found
+    try:
+        _write_id(storage, recovered)
+    except OSError as exc:  # not writable, a full disk: no TIER file, and the manager cannot start there
+        raise CheckpointConfigError(f"cannot use {storage.url} as the checkpoint directory: writing its {TIER_FILE} file failed "
+                                    f"({exc}); it must be a directory this process can write, on a filesystem with free "
+                                    "space; to only read the checkpoints there, open CheckpointManager(dir, read_only=True)") from exc
+    found = read_tier_id(storage)
+    if found is None:  # a link there (never followed), or not an id, and no committed step names one
+        raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id, and no committed step there "
+                              "names one: remove it (the directory then gets a new id)")
+    return found
+
+
+def _write_id(storage: Storage, recovered: str | None) -> None:
+    """Write the TIER file: `recovered` (the committed steps' id) over a lost or damaged one, else a new id."""
     if recovered is not None:  # missing, not an id, or an id no file here names: the files' id again
         log.warning("checkpointing: %s/%s was %s; the committed steps' files there name the id %s, which it gets again",
                     storage.url, TIER_FILE, "damaged" if _exists(storage) else "missing", recovered)
@@ -45,11 +60,6 @@ def ensure_tier_id(storage: Storage) -> str:
         storage.put(TIER_FILE, (recovered or secrets.token_hex(8)).encode("ascii"), exclusive=True)
     except FileExistsError:  # another rank on this tier created it first (or a TIER file that is not an id)
         pass
-    found = read_tier_id(storage)
-    if found is None:  # a link there (never followed), or not an id, and no committed step names one
-        raise CheckpointError(f"{storage.url}/{TIER_FILE} cannot be read as the tier's id, and no committed step there "
-                              "names one: remove it (the directory then gets a new id)")
-    return found
 
 
 def tier_id_of(storage: Storage) -> str | None:

@@ -55,6 +55,7 @@ class ReadOnlyLocalStorage(LocalStorage):
 def open_local_tier(local_dir: str | os.PathLike, *, read_only: bool, direct: bool, fsync: bool, remote: bool) -> LocalStorage:
     """The manager's local tier at `local_dir`; CheckpointConfigError when it cannot be used. Read-only:
     the directory must exist, unless a remote tier (`remote`) can serve every step."""
+    local_dir = os.path.expanduser(local_dir)  # "~/ckpt": the home directory's
     if "://" in os.fspath(local_dir):
         raise CheckpointConfigError(f"local_dir={os.fspath(local_dir)!r} is a URL: the local tier is a directory on this machine "
                                     "(node-local NVMe); pass object storage as remote=..., e.g. CheckpointManager('/nvme/ckpt', remote='s3://bucket/run')")
@@ -110,12 +111,14 @@ def open_remote_tier(options: ManagerOptions, local_dir: str | os.PathLike) -> F
 
 
 def _check_apart(local_dir: str | os.PathLike, remote: FsspecStorage) -> None:
-    """CheckpointConfigError when a file:// remote tier is the local directory, or one lies inside the
+    """CheckpointConfigError when a file:// remote tier is a file, is the local directory, or one lies inside the
     other: each tier's retention and tidying would remove the other's steps, and a copy on the same
     disk survives nothing the local one does not."""
     if remote.protocol not in ("file", "local"):
         return
-    a, b = os.path.realpath(local_dir), os.path.realpath(remote.root)
+    if os.path.exists(remote.root) and not os.path.isdir(remote.root):
+        raise CheckpointConfigError(f"the remote tier {remote.url} is a file, not a directory: pass a directory (or a new path) as remote=")
+    a, b = os.path.realpath(os.path.expanduser(local_dir)), os.path.realpath(remote.root)
     if a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep):
         how = "is" if a == b else ("lies inside" if b.startswith(a + os.sep) else "contains")
         raise CheckpointConfigError(
