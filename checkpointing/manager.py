@@ -23,14 +23,12 @@ thread that also runs on_metrics. With handle_preemption() a "ckpt-preempt" watc
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import logging
 import os
 import signal
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from torch.optim.optimizer import Optimizer
@@ -52,6 +50,7 @@ from checkpointing.restore.selection import Selection
 from checkpointing.restore.step_choice import choose_step
 from checkpointing.save.handle import SaveHandle
 from checkpointing.save.inflight import InFlight
+from checkpointing.save import live
 from checkpointing.save.issue import SaveIssuer
 from checkpointing.save.planning import PackPlanner
 from checkpointing.save.records import SaveRecords
@@ -136,7 +135,7 @@ class CheckpointManager:
         self._peers = open_peers(self.options, self.storage, self._coord, release=self._lock.release)  # peer copies: checkpointing/peer/
         self._compose(group)
         self._hook = None if read_only else register_guard(self._on_optimizer_step)
-        _LIVE.add(self)
+        live.track(self.close, self._forked)  # closed at exit; disowned by a forked child (save/live.py)
 
     __init__.__doc__ = ManagerOptions.__doc__  # every option, kept beside its checks (options.py)
 
@@ -380,21 +379,13 @@ class CheckpointManager:
     def _remote_url(self) -> str:
         return self.remote_storage.url if self.remote_storage is not None else ""
 
+    def _forked(self) -> None:
+        """In a child forked from this process (save/live.py): closed, without waiting for the parent's saves or writing."""
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()  # the child's optimizer steps wait for no snapshot
+
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._inflight.guard()
         self._stepped.saw(optimizer)
         self._loop.optimizer_step(optimizer)
-
-
-_LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
-
-
-@atexit.register
-def _finish_saves_at_exit() -> None:
-    """A save issued just before the interpreter exits still becomes durable."""
-    for mgr in list(_LIVE):
-        try:
-            mgr.close()
-        except Exception as exc:  # noqa: BLE001 - exiting: report, do not raise
-            log.error("checkpointing: at exit: %s", exc)
-

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import checkpointing
+
 from checkpointing import CheckpointManager
 from checkpointing.save.staging import StagingPool
 
@@ -63,6 +65,21 @@ def test_pool_is_allocated_once_and_reused(tmp_path):
             mgr.save(step, state).wait()
         assert mgr._pool.allocations == 1
         assert mgr.staging_bytes < 1.01 * mgr.stats()[-1].bytes_total + 64 * 16 + 4096
+
+
+def test_a_state_that_shrank_gives_its_staging_memory_back_and_one_that_varies_a_little_keeps_its_pool(tmp_path):
+    big, small = {"w": torch.randn(1 << 20)}, {"w": torch.randn(1000)}  # 4 MiB, then 4000 bytes
+    with CheckpointManager(tmp_path, keep_local=1) as mgr:
+        mgr.save(1, big).wait()
+        assert mgr.staging_bytes == 4 << 20
+        mgr.save(2, {"w": torch.randn((1 << 20) - 4096)}).wait()  # a little smaller: the same pool
+        assert mgr.staging_bytes == 4 << 20 and mgr._pool.allocations == 1
+        for step in range(3, 6):
+            mgr.save(step, small).wait()
+        assert mgr.staging_bytes == 4000 and mgr._pool.allocations == 2  # given back once, then reused
+        mgr.save(6, big).wait()
+        assert mgr.staging_bytes == 4 << 20
+    assert torch.equal(checkpointing.load(tmp_path)["w"], big["w"])
 
 
 def _thp_mode() -> str | None:

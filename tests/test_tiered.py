@@ -745,3 +745,20 @@ def test_a_directory_named_metrics_jsonl_costs_the_metrics_not_the_uploads(tmp_p
         mgr.wait()
         assert mgr.tiers() == {1: "remote", 2: "local+remote", 3: "local+remote"}
     assert assert_remote_whole(remote_of(s3_bucket)) == [1, 2, 3]
+
+
+def test_the_requests_of_an_upload_do_not_grow_with_the_steps_the_remote_tier_holds(tmp_path, s3_bucket):
+    """keep_remote=None keeps every step: an upload then lists no step directory (the sweep for a failed upload's
+    files runs after a failure, and first of all); the listing per save stayed N+1 requests at step N."""
+    listed = []
+    with manager(tmp_path / "local", s3_bucket, keep_local=2) as mgr:
+        proxy = inject(mgr.remote_storage)
+        for step in range(1, 13):
+            before = proxy.count("list_objects_v2")
+            mgr.save(step, state(step, n=1 << 10)).wait()
+            listed.append(proxy.count("list_objects_v2") - before)
+    assert max(listed[3:]) <= max(listed[:3]), listed  # the first upload sweeps; later ones list no more than it
+    assert max(listed[6:]) == max(listed[3:6]), listed
+    remote = remote_of(s3_bucket)
+    assert catalog.list_steps(remote).committed == list(range(1, 13))
+    assert_remote_whole(remote)

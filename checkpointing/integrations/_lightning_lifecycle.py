@@ -13,8 +13,11 @@ and writes their pointers there too (`trainer.test(ckpt_path="best")` next finds
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -51,7 +54,24 @@ def arm(io: Any) -> Any:
 
     handle = register_optimizer_step_post_hook(hook)
     weakref.finalize(io, handle.remove)
+    _PLUGINS.add(io)
     return handle
+
+
+_PLUGINS: weakref.WeakSet = weakref.WeakSet()  # the plugins of this process
+
+
+def _in_child() -> None:
+    """A child forked from this process (a DataLoader worker): a plugin's saves and their done callbacks are the
+    parent's, so its teardown at exit would wait for ever. Here it forgets them (the manager: save/live.py)."""
+    for io in list(_PLUGINS):
+        io._lock = threading.Lock()  # another thread may have held it at the fork
+        if io._mgr is not None:
+            atexit.unregister(io._at_exit)
+            io._mgr, io._steps = None, {}
+
+
+os.register_at_fork(after_in_child=_in_child)
 
 
 def after_step(io: Any) -> None:

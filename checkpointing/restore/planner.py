@@ -209,6 +209,10 @@ class _Planner:
             if layout.replicas:  # ranks outside the DTensor's mesh hold nothing of it
                 self.reads.append(ReadBox(entry, local, layout.offsets, tuple(local.shape)))
             return
+        if type(target) is not torch.Tensor and type(target.data) is not torch.Tensor:  # nn.Parameter(a subclass): no memory of its own to read into
+            self.problem(path, f"the target is a {type(target).__module__}.{type(target).__qualname__}: a tensor subclass, "
+                               "which restore() cannot read into; pass a plain tensor (or a DTensor) there")
+            return
         self.reads.append(ReadBox(entry, target.detach(), (0,) * len(entry.shape), entry.shape))
 
     def stateful(self, target: Any, node: dict, path: tuple) -> Any:

@@ -11,10 +11,13 @@ job carrying the error), so the other ranks, which are saving the same step, hea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
+import signal
+import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -90,9 +93,10 @@ class SaveIssuer:
         inputs = SaveInputs(step, seq, flat, plan, regions, t0, wall, wait_prev_s, base=self._worker.take_base(), start_event=start_event,
                             watch_writes=options.incremental and options.change_detection == "auto", metrics=checked)
         job = SaveJob(inputs, with_upload=self._uploader is not None)
-        self._inflight.add(job)
-        self._acct.issued(step, t0)
-        self._worker.submit(job)
+        with _interrupt_held():  # registered and queued, or neither
+            self._inflight.add(job)
+            self._acct.issued(step, t0)
+            self._worker.submit(job)
         staging = job.staging
         staging.eager_staged.wait()
         if staging.eager_event is not None:
@@ -157,3 +161,21 @@ def checked_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, i
         return check_metrics(out, where)
     except ManifestError as exc:
         raise CheckpointConfigError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT's default handler: KeyboardInterrupt) held back while a save is registered and handed to its
+    thread, then raised: between the two, the save would stay registered but never run, and every later save, wait()
+    and close() would wait for it for ever. Only in the main thread (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        signal.default_int_handler(*caught[0])  # raises KeyboardInterrupt

@@ -45,9 +45,9 @@ class SerialThread(Generic[Item]):
             if self._closed:
                 raise CheckpointError("this CheckpointManager was closed (by another thread) while this call ran: nothing was "
                                       "saved; create a new one")
-            self._unfinished += 1
             if self._thread.ident is None:
-                self._thread.start()
+                self._thread.start()  # first: it waits for the thread, and a KeyboardInterrupt there leaves nothing counted
+            self._unfinished += 1
             self._queue.put(item)
 
     def busy(self) -> bool:

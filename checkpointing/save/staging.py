@@ -74,7 +74,8 @@ def map_staging(nbytes: int) -> mmap.mmap:
 
 
 class StagingPool:
-    """A byte buffer of `capacity` bytes; grows only when a larger plan needs it."""
+    """A byte buffer of `capacity` bytes: allocated anew when a plan needs more, or at most half of it (a state that
+    shrank gives the memory back; one that varies a little keeps its pool, and what the pool holds for the next compare)."""
 
     def __init__(self) -> None:
         self.capacity = 0
@@ -87,7 +88,7 @@ class StagingPool:
         self.watch = WriteWatch()  # which sources were written since this pool last staged them
 
     def ensure(self, nbytes: int, *, pinned: bool) -> None:
-        if nbytes <= self.capacity and pinned == self.pinned:
+        if pinned == self.pinned and (nbytes == self.capacity or self.capacity // 2 < nbytes <= self.capacity):
             return
         self.release()
         try:

@@ -98,6 +98,7 @@ class Uploader:
         self._closing = False  # close() waits for what is queued: nothing is lowered from then on
         self._uploaded = False  # an upload of this process succeeded: the remote tier is worth a metrics copy at close
         self._answering = True  # the newest finished upload succeeded: failed ones are worth trying again (one process)
+        self._litter = True  # the remote tier may hold a failed upload's files (at start: an earlier process's): sweep it
         self._thread: SerialThread[UploadJob] = SerialThread("ckpt-upload", self._run, cpu=self._cpu)
 
     def submit(self, job: UploadJob) -> None:
@@ -216,6 +217,7 @@ class Uploader:
             job.error = exc
         self._answering = job.error is None
         if job.error is not None:
+            self._litter = True
             self.pending.fail(job)  # its only copy stays (local retention) until it is tried again
         pins.remove_pin(self.remote, job.pin)
         job.t_done = time.perf_counter()
@@ -284,10 +286,12 @@ class Uploader:
 
     def _retain(self, step: int) -> None:
         """Rank 0 after a remote commit: keep_remote (never `step`, the newest step there, or an upload in
-        flight; a KeepBest reads the remote COMMITs' metrics), and what no remote step or upload in flight references."""
+        flight; a KeepBest reads the remote COMMITs' metrics), and what no remote step or upload in flight references:
+        swept after a failed upload (and the first time) only, as the sweep lists every step there (a request each)."""
         try:
             retired = collect.apply_retention(self.remote, self.keep_remote, protect=step, in_flight=self.pending.steps(),
-                                              sweep=True, where=f"on the remote tier {self.remote.url}")
+                                              sweep=self._litter, where=f"on the remote tier {self.remote.url}")
+            self._litter = False
             self.saw_remote(removed=retired)
         except Exception as exc:  # noqa: BLE001 - retried after the next upload; never stop the thread
             log.warning("checkpointing: retention on the remote tier after step %d failed: %s", step, exc)

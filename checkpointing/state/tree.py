@@ -247,7 +247,8 @@ class _Walker:
             t, layout = dtensor_layout(t, key)  # detached below: a DTensor's own detach() is a dispatched op (~30 us)
         elif t.is_nested:
             raise StateError(f"state[{key!r}] {_unsupported(t)}")
-        elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        elif type(t) is not torch.Tensor and not (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):  # a
+            # Parameter of a subclass (nn.Parameter(TwoTensor), a quantized weight) passes isinstance(): its data tells
             raise StateError(f"state[{key!r}] is a {class_name(t)}: pass a plain tensor or a DTensor (tensor subclasses are not supported)")
         refusal = _unsupported(t)
         if refusal is not None:
@@ -312,7 +313,10 @@ def owners(tensors: Iterable[torch.Tensor]) -> dict[int, dict[tuple, tuple[torch
     out: dict[int, dict[tuple, tuple[torch.Tensor, ...]]] = {}
     for t in tensors:
         local = local_tensor(t)
-        address = local.untyped_storage().data_ptr()
+        try:
+            address = local.untyped_storage().data_ptr()
+        except RuntimeError:  # a wrapper subclass with no storage of its own: add_tensor refuses it by its key
+            continue
         if address:
             out.setdefault(address, {}).setdefault(_view(local), _distinct((t, local), None))
     return out

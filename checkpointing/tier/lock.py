@@ -44,6 +44,24 @@ class WriterLock:
         os.close(fd)  # drops the flock
 
 
+def _in_child() -> None:
+    """A forked child: the parent's writer locks are not its own. Its copies of their descriptors are closed (never
+    unlocked, which would drop the parent's lock too), so a lock goes when its parent exits, whatever children live on."""
+    global _GUARD
+    _GUARD = threading.Lock()  # another thread of the parent may have held it at the fork
+    for held in _HELD.values():
+        if held.fd >= 0:
+            try:
+                os.close(held.fd)
+            except OSError:
+                pass
+            held.fd = -1
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_in_child)
+
+
 def acquire(root: Path, *, purpose: str = "a CheckpointManager") -> WriterLock:
     """Take the writer lock of the tier at `root` (DirectoryLockedError naming the holder if taken)."""
     path = root / LOCK_NAME

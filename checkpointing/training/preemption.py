@@ -42,6 +42,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any, Mapping, Protocol
 
 from checkpointing.dist import keys
@@ -104,6 +105,7 @@ class Preemption:
             raise CheckpointError("handle_preemption() must be called from the main thread (Python delivers signals there)")
         for sig in self.options.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        _INSTALLED.add(self)  # a forked child gets the previous handlers back (its watchdog is the parent's)
         self._watchdog.start()
 
     def uninstall(self) -> None:
@@ -312,3 +314,17 @@ class Preemption:
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
         os._exit(128 + signum)
+
+
+_INSTALLED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the handlers installed in this process
+
+
+def _in_child() -> None:
+    """A child forked from this process (a DataLoader worker, multiprocessing's fork): the handlers only set a flag that
+    the parent's watchdog acts on, and that thread is not here: the signals get their previous handlers back."""
+    for handler in list(_INSTALLED):
+        handler.uninstall()
+    _INSTALLED.clear()
+
+
+os.register_at_fork(after_in_child=_in_child)
