@@ -477,6 +477,19 @@ def test_a_modules_back_compat_renames_in_its_load_state_dict_pre_hooks_are_foll
         mgr.restore({"model": nn.Sequential(nn.Module(), _Renamed(split=True))})
 
 
+@pytest.mark.parametrize("saved_compiled, target_compiled", [(False, True), (True, False), (True, True)])
+def test_renames_in_pre_hooks_are_followed_across_torch_compiles_names(tmp_path, saved_compiled, target_compiled):
+    wrap = lambda m, compiled: torch.compile(m, backend="eager") if compiled else m  # noqa: E731
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Module(), nn.Module())
+    old[1].lin = nn.Linear(2, 2)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": wrap(old, saved_compiled)}).wait()
+        new = nn.Sequential(nn.Module(), _Renamed())
+        assert mgr.restore({"model": wrap(new, target_compiled)}) == 1
+    assert torch.equal(new[1].proj.weight, old[1].lin.weight) and torch.equal(new[1].proj.bias, old[1].lin.bias)
+
+
 def test_a_step_that_is_not_committed_is_named_with_the_steps_that_are(mgr):
     for step in (1, 2):
         mgr.save(step, {"w": torch.ones(2)}).wait()
