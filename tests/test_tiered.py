@@ -272,13 +272,15 @@ def test_a_failed_upload_that_succeeds_later_is_recorded_again_and_the_report_sh
     with manager(local, s3_bucket, on_metrics=got.append) as mgr:
         mgr.save(1, state(1)).wait()
         proxy = inject(mgr.remote_storage, Fault("*", "denied", times=-1))
+        h2 = mgr.save(2, state(2))
         with pytest.raises(CheckpointUploadError, match="step 2"):
-            mgr.save(2, state(2)).wait()
+            h2.wait()
         assert [(s.step, s.ok, s.tier, s.upload_tries) for s in mgr.stats()] == [(1, True, "local+remote", 1), (2, False, "local", 1)]
         proxy.faults.clear()
         mgr.save(3, state(3)).wait()  # the remote tier answers again
         mgr.save(4, state(4)).wait()  # the failed upload of 2 goes first
         mgr.wait()
+        assert h2.exception() is None and h2.wait().step == 2  # durable now: its handle says so
         stats = {s.step: s for s in mgr.stats()}
         assert sorted(stats) == [1, 2, 3, 4]
         s2 = stats[2]

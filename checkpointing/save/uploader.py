@@ -218,7 +218,9 @@ class Uploader:
         self._answering = job.error is None
         if job.error is not None:
             self._litter = True
-            self.pending.fail(job)  # its only copy stays (local retention) until it is tried again
+            self.pending.fail(job)
+        elif job.save is not None and job.save.upload is not None and job.save.upload is not job:
+            job.save.upload.error = None  # a later try made the step durable: the save's handle no longer raises  # its only copy stays (local retention) until it is tried again
         pins.remove_pin(self.remote, job.pin)
         job.t_done = time.perf_counter()
         if job.error is None and self.rank == 0:
