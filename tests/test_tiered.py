@@ -762,5 +762,7 @@ def test_the_requests_of_an_upload_do_not_grow_with_the_steps_the_remote_tier_ho
     assert max(listed[3:]) <= max(listed[:3]), listed  # the first upload sweeps; later ones list no more than it
     assert max(listed[6:]) == max(listed[3:6]), listed
     remote = remote_of(s3_bucket)
+    proxy = inject(remote)
     assert catalog.list_steps(remote).committed == list(range(1, 13))
+    assert proxy.count("list_objects_v2") == 1  # every key at once, not a listing per step directory
     assert_remote_whole(remote)

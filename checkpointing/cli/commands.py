@@ -28,7 +28,7 @@ from checkpointing.format import naming
 from checkpointing.format.manifest import Manifest
 from checkpointing.format.step_sizes import step_usage
 from checkpointing.plan.retention import tier_states
-from checkpointing.storage import FsspecStorage, LocalStorage, Storage
+from checkpointing.storage import FsspecStorage, LocalStorage, Storage, multipart
 from checkpointing.tier import catalog, collect, pins
 from checkpointing.tier import lock as writer_lock
 from checkpointing.tier.identity import tier_id_of
@@ -223,9 +223,9 @@ def _stale_uploads(storage: Storage, min_age_s: float, *, abort: bool) -> list[t
     Only of names a save writes (a step directory's files, the metrics file): another program's uploads there are its own."""
     if not isinstance(storage, FsspecStorage):
         return []
-    found = [up for up in storage.stale_uploads(min_age_s) if _written_by_a_save(up[0])]
+    found = [up for up in multipart.stale_uploads(storage, min_age_s) if _written_by_a_save(up[0])]
     for path, upload_id, _ in found if abort else ():
-        storage.abort_upload(path, upload_id)
+        multipart.abort_upload(storage, path, upload_id)
     return [(path, age) for path, _, age in found]
 
 

@@ -19,7 +19,7 @@ its retry wrapper (retry.Retrying), so what comes out of a Storage method is fin
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from checkpointing.errors import CheckpointCorruptError
 
@@ -78,6 +78,11 @@ class Storage(Protocol):
         ...
 
     def list(self, prefix: str = "") -> list[str]: ...
+
+    def list_dirs(self, prefix: str = "", *, only: Callable[[str], bool] = lambda name: True) -> dict[str, list[str]]:
+        """Each name in `prefix` that `only` takes -> `list` of it (a file: []): in one listing of every key
+        where that is cheaper (object stores: storage/listing.py), else a listing each."""
+        ...
 
     def delete(self, path: str) -> None: ...
 

@@ -18,12 +18,12 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from checkpointing.errors import CheckpointCorruptError
 from checkpointing.format import naming
 from checkpointing.format.naming import new_token
-from checkpointing.storage import base, sizes
+from checkpointing.storage import base, listing, sizes
 from checkpointing.storage.local_stream import LocalStream, lone_file
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -338,6 +338,9 @@ class LocalStorage:
             if link:
                 self._skip(f"{prefix}/{name}" if prefix else name)
         return sorted(name for name, link in entries if not link)
+
+    def list_dirs(self, prefix: str = "", *, only: Callable[[str], bool] = lambda name: True) -> dict[str, list[str]]:
+        return listing.dir_by_dir(self, prefix, only)
 
     def delete(self, path: str) -> None:
         """Delete the object or directory tree `path`; a link there is left alone (never deleted through)."""

@@ -30,14 +30,13 @@ import functools
 import inspect
 import os
 import threading
-import time
 from concurrent.futures import wait
 from typing import Any, Callable, Mapping
 
 from fsspec.core import split_protocol
 
 from checkpointing.errors import CheckpointConfigError
-from checkpointing.storage import base, sizes
+from checkpointing.storage import base, listing, sizes
 from checkpointing.storage.endpoint import S3_PROTOCOLS, open_endpoint
 from checkpointing.storage.redact import redact_url
 from checkpointing.storage.retry import RetryPolicy
@@ -284,6 +283,10 @@ class FsspecStorage:
         names = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.endpoint.ls(prefix) if e["name"].rstrip("/") != full}
         return sorted(names)
 
+    def list_dirs(self, prefix: str = "", *, only: Callable[[str], bool] = lambda name: True) -> dict[str, list[str]]:
+        """Storage.list_dirs; on S3 one listing of every key below `prefix` (1,000 a request), not a request per directory."""
+        return listing.grouped(self._s3_names(prefix, delimiter=False), only) if self.is_s3 else listing.dir_by_dir(self, prefix, only)
+
     def _s3_names(self, prefix: str, *, delimiter: bool) -> set[str]:
         """Names below `prefix`: immediate children (delimiter) or every key, relative to `prefix/`."""
         names: set[str] = set()
@@ -336,33 +339,6 @@ class FsspecStorage:
         except OSError:  # not empty (any more), or gone
             return
         ep.sync_parent(full)
-
-    def stale_uploads(self, older_than_s: float) -> list[tuple[str, str, float]]:
-        """S3: the multipart uploads below this prefix started more than `older_than_s` seconds ago and
-        neither completed nor aborted (a process whose abort failed, or was killed): (path, upload id,
-        age in seconds). They hold storage the listing of objects does not show. Elsewhere: none."""
-        if not self.is_s3:
-            return []
-        ep, out = self.endpoint, []
-        prefix = f"{ep.prefix}/" if ep.prefix else ""
-        markers: dict[str, str] = {}
-        while True:
-            page = ep.s3("list multipart uploads", "", "list_multipart_uploads", Prefix=prefix, **markers)
-            now = time.time()
-            for up in page.get("Uploads", []):
-                age = now - up["Initiated"].timestamp()
-                if age >= older_than_s:
-                    out.append((up["Key"][len(prefix):], up["UploadId"], age))
-            if not page.get("IsTruncated"):
-                return out
-            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
-
-    def abort_upload(self, path: str, upload_id: str) -> None:
-        """S3: abort the multipart upload `upload_id` of `path` (its parts are freed)."""
-        try:
-            self.endpoint.s3("abort upload", path, "abort_multipart_upload", Key=self.endpoint.key(path), UploadId=upload_id)
-        except FileNotFoundError:  # completed or aborted meanwhile
-            pass
 
     # ------------------------------------------------------------ whole local files (the upload pipeline)
 

@@ -73,11 +73,9 @@ class StepListing:
 
 def list_steps(storage: Storage) -> StepListing:
     committed, incomplete = [], []
-    for name in storage.list(""):
+    for name, inside in storage.list_dirs("", only=lambda name: naming.parse_step_dir(name) is not None).items():
         step = naming.parse_step_dir(name)
-        if step is None:
-            continue
-        inside = storage.list(name)
+        assert step is not None
         if naming.COMMIT_NAME in inside or _linked(storage, naming.commit_name(step)):
             committed.append(step)  # a linked COMMIT too: readers report it damaged, tidying leaves it alone
         elif inside or plain_object(storage, name) is not True:  # a file of a step's name (no more) is a user's: left alone
