@@ -7,7 +7,11 @@ removal ModelCheckpoint makes after a save can reach the plugin first, and its t
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from checkpointing import CheckpointNotFoundError  # noqa: E402
 from checkpointing.integrations.lightning import LightningCheckpointIO  # noqa: E402
+from _models import child_env  # noqa: E402
 from test_integration_lightning import EPOCHS, STEPS_PER_EPOCH, _final_state, _fit, _pointers, _quiet, _steps, assert_same  # noqa: E402,F401
 
 
@@ -56,3 +61,20 @@ def test_a_path_loads_what_its_newest_save_gave_while_that_save_is_in_flight(tmp
         io.teardown()
     assert first["global_step"] == 3 and torch.equal(first["state_dict"]["w"], torch.full((4096, 2048), 1.0))
     assert second["global_step"] == 7 and torch.equal(second["state_dict"]["w"], torch.full((4096, 2048), 2.0))
+
+
+def test_behind_async_checkpoint_io_a_crash_while_a_removed_step_is_aliased_leaves_every_pointer_loadable(tmp_path):
+    """ModelCheckpoint removes step=2.ckpt while the wrapper's thread saves last.ckpt at step 2 (an alias of that step):
+    the step was deleted under the alias, so after a crash last.ckpt named a deleted step and fit(ckpt_path="last")
+    failed. Collection now runs only on the thread that saves (the wrapper's), between its save calls."""
+    script = Path(__file__).with_name("_lightning_wrapped_crash.py")
+    env = {**child_env(), "CRASH": "1"}
+    child = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    store = tmp_path / "store"
+    for pointer in sorted((tmp_path / "ck").iterdir()):
+        loaded = LightningCheckpointIO(store).load_checkpoint(pointer)
+        assert loaded["global_step"] == json.loads(pointer.read_text())["step"]
+    again = subprocess.run([sys.executable, str(script), str(tmp_path), "last"], env=child_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]

@@ -103,3 +103,39 @@ def test_a_filesystem_remote_tiers_errors_advise_on_the_filesystem_not_on_creden
     said = str(translate(exc, what="write", where=where))
     assert hint in said, said
     assert ("credentials" in said) == where.startswith("s3://"), said
+
+
+def test_home_relative_paths_in_the_lightning_plugin_and_the_cli(tmp_path, monkeypatch, run_cli):
+    pytest.importorskip("lightning.pytorch")
+    from checkpointing.integrations.lightning import LightningCheckpointIO
+
+    home, elsewhere = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    assert LightningCheckpointIO("~/store").directory == str(home / "store")
+    with CheckpointManager("~/ckpt") as mgr:
+        mgr.save(1, {"w": torch.arange(4.0)}).wait()
+    code, out = run_cli("ls", "~/ckpt")  # a quoted "~" (a script's, a config's) reaches the CLI as it is
+    assert code == 0 and f"checkpoints in {home / 'ckpt'}" in out, out
+    code, out = run_cli("export", "~/ckpt", "--out", "~/w.pt")
+    assert code == 0 and (home / "w.pt").is_file(), out
+    assert os.listdir(elsewhere) == []
+
+
+def test_the_cli_refuses_an_empty_target_rather_than_work_on_the_current_directory(tmp_path, monkeypatch, run_cli):
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.zeros(2)}).wait()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        run_cli("rm", "", "--step", "1")  # rm "$CKPT" with CKPT unset
+    assert exit_.value.code == 2
+    with CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.steps() == [1, 2]
+
+
+def test_a_file_remote_tier_below_a_file_is_refused_at_start(tmp_path):
+    (tmp_path / "afile").write_bytes(b"x")
+    with pytest.raises(CheckpointConfigError, match="lies below the file"):
+        CheckpointManager(tmp_path / "local", remote=(tmp_path / "afile" / "run").as_uri())

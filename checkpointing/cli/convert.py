@@ -17,7 +17,7 @@ from rich.console import Console
 
 from checkpointing.cli import fmt
 from checkpointing.cli.progress import Bar
-from checkpointing.cli.targets import committed_step, open_target, storage_options
+from checkpointing.cli.targets import committed_step, open_target, path_or_url, storage_options
 from checkpointing.storage.redact import redact_url
 from checkpointing.tier import catalog
 
@@ -28,7 +28,7 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("torch", "safetensors"), default="torch",
                    help="torch: one torch.save file {'step', 'world_size', 'tensors': {key: tensor}} (default); "
                         "safetensors: a Hugging Face directory (model.safetensors, or shards and model.safetensors.index.json)")
-    p.add_argument("--out", required=True, metavar="PATH", help="the file (torch) or directory (safetensors) to write")
+    p.add_argument("--out", required=True, metavar="PATH", type=path_or_url, help="the file (torch) or directory (safetensors) to write")
     _selection_arguments(p, "export")
     p.add_argument("--strip-prefix", metavar="TEXT", default=None, help="remove this from the start of every name (e.g. 'model.')")
     p.add_argument("--max-shard-size", metavar="SIZE", default=None,
@@ -37,10 +37,10 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def import_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", metavar="SRC", help="a DCP checkpoint directory, a torch.save file, a .safetensors file, or a "
+    p.add_argument("src", metavar="SRC", type=path_or_url, help="a DCP checkpoint directory, a torch.save file, a .safetensors file, or a "
                                               "Hugging Face directory (model.safetensors.index.json); DCP metadata is a "
                                               "pickle: import only checkpoints you trust")
-    p.add_argument("dest", metavar="DEST", help="checkpoint directory, or a tier URL (s3://bucket/prefix, ...)")
+    p.add_argument("dest", metavar="DEST", type=path_or_url, help="checkpoint directory, or a tier URL (s3://bucket/prefix, ...)")
     p.add_argument("--step", type=int, required=True, help="the step number to commit the import as")
     p.add_argument("--under", metavar="KEY", default=None,
                    help="put the imported state under this top-level key (e.g. model, for a run that saves {'model': model})")

@@ -9,6 +9,7 @@ printed: a URL shown in an error is redacted. Every failure here raises fmt.Comm
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,9 +20,17 @@ from checkpointing.storage.redact import is_secret_name, redact_url
 from checkpointing.tier import catalog
 
 
+def path_or_url(text: str) -> str:
+    """A command's path argument: "~" is the home directory (as in a shell, which leaves a quoted one as it is); an
+    empty one is refused (an unset variable: never the working directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?): pass a checkpoint directory or a URL")
+    return text if "://" in text else os.path.expanduser(text)
+
+
 def add_target(parser: argparse.ArgumentParser) -> None:
     """A command's TARGET and its --storage-option values."""
-    parser.add_argument("dir", metavar="TARGET", help="checkpoint directory, or a tier URL (s3://bucket/prefix, file:///path, ...)")
+    parser.add_argument("dir", metavar="TARGET", type=path_or_url, help="checkpoint directory, or a tier URL (s3://bucket/prefix, file:///path, ...)")
     parser.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE", default=[],
                         help="fsspec storage option for a URL (repeatable; e.g. endpoint_url=http://127.0.0.1:9000); "
                              "credentials may come from the environment instead")

@@ -74,7 +74,7 @@ class TrainerCheckpoints:
     """
 
     def __init__(self, root: str, options: Mapping[str, Any], *, markers: bool) -> None:
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(os.path.expanduser(root))
         self._options = dict(options)
         self._markers = markers
         self._mgr: CheckpointManager | None = None

@@ -101,7 +101,8 @@ class Removals:
             self.early.discard(target)
             log.debug("checkpointing: LightningCheckpointIO: %s was removed before its save reached the plugin: not saved", target)
             return False
-        self.arriving.add(target)
+        if self.reordered:  # the call runs beside the training thread's removals (on the wrapper's thread)
+            self.arriving.add(target)
         return True
 
     def saved(self, target: str, entry: ptr.PointedStep, remove: Callable[[str], None]) -> None:

@@ -165,7 +165,7 @@ def local_path(path: Any) -> str:
     if "://" in text:
         raise CheckpointConfigError(f"{text}: LightningCheckpointIO writes its pointer files on a local filesystem; give "
                                     "ModelCheckpoint a local dirpath (the data can go to remote=... of LightningCheckpointIO)")
-    return os.path.abspath(text)
+    return os.path.abspath(os.path.expanduser(text))  # "~/ckpts": the home directory's, as Lightning's own IO reads it
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -58,7 +58,7 @@ class LightningCheckpointIO(CheckpointIO):
 
     def __init__(self, local_dir: str | os.PathLike, *, codecs: Sequence[Codec] = (), **manager_options: Any) -> None:
         vals.check_options(local_dir, manager_options, inspect.signature(CheckpointManager.__init__))
-        self.directory = os.path.abspath(os.fspath(local_dir))
+        self.directory = os.path.abspath(os.path.expanduser(os.fspath(local_dir)))
         self._options = manager_options
         self._codecs = vals.with_codecs(codecs)
         self._mgr: CheckpointManager | None = None
@@ -183,7 +183,9 @@ class LightningCheckpointIO(CheckpointIO):
             self._open()  # a plugin that has not saved (a cleanup script): deleting the step needs the manager
         with self._lock:  # while the newest save is in flight, at its commit: the old pointer stays until the new one is there
             self._removals.request(target, self._remove_now, self._steps)
-        self._collect()
+            saves_elsewhere = self._removals.reordered  # on a wrapper's thread, which collects at its next save call
+        if not saves_elsewhere:
+            self._collect()
 
     def _remove_now(self, target: str) -> None:
         """Remove the pointer (or the alias waiting) at `target` (the lock held); its step may go."""
@@ -304,8 +306,9 @@ class LightningCheckpointIO(CheckpointIO):
         return steps
 
     def _collect(self) -> None:
-        """Delete the doomed steps nothing refers to, when no save is in flight (training thread); while one
-        is, record them in the directory (ptr.write_released): a crash leaves them to the next run's first call."""
+        """Delete the doomed steps nothing refers to, when no save is in flight (on the thread that calls save_checkpoint:
+        a wrapper's own, whose save calls may alias a step); while one is, record them in the directory
+        (ptr.write_released): a crash leaves them to the next run's first call."""
         mgr = self._mgr
         with self._lock:
             if mgr is None or not self._doomed:

@@ -116,8 +116,12 @@ def _check_apart(local_dir: str | os.PathLike, remote: FsspecStorage) -> None:
     disk survives nothing the local one does not."""
     if remote.protocol not in ("file", "local"):
         return
-    if os.path.exists(remote.root) and not os.path.isdir(remote.root):
-        raise CheckpointConfigError(f"the remote tier {remote.url} is a file, not a directory: pass a directory (or a new path) as remote=")
+    above = remote.root  # the remote tier, or the nearest path above it that exists: a directory, not a file
+    while not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if os.path.exists(above) and not os.path.isdir(above):
+        where = "is a file" if above == remote.root else f"lies below the file {above}"
+        raise CheckpointConfigError(f"the remote tier {remote.url} {where}, not a directory: pass a directory (or a new path) as remote=")
     a, b = os.path.realpath(os.path.expanduser(local_dir)), os.path.realpath(remote.root)
     if a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep):
         how = "is" if a == b else ("lies inside" if b.startswith(a + os.sep) else "contains")
