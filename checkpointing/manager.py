@@ -382,6 +382,7 @@ class CheckpointManager:
     def _forked(self) -> None:
         """In a child forked from this process (save/live.py): closed, without waiting for the parent's saves or writing."""
         self._closed = True
+        self._inflight.forked()  # a wait here returns at once
         if self._hook is not None:
             self._hook.remove()  # the child's optimizer steps wait for no snapshot
 

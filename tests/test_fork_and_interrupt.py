@@ -137,3 +137,82 @@ def test_ctrl_c_as_a_save_is_handed_to_its_thread_leaves_no_save_that_never_runs
     """)
     assert out["interrupted"] and not out["hung"], out
     assert out["steps"] == [1, 2, 3], out
+
+
+def test_children_forked_while_managers_open_and_close_never_hold_the_writer_lock(tmp_path):
+    """A thread forks (a DataLoader started from a helper thread) while the main thread opens and closes managers: a
+    child forked between the lock's open and its registration (or between unregistering and closing) kept it."""
+    out = _run(tmp_path, """
+        import threading
+        stop, children = threading.Event(), []
+        def forker():
+            while not stop.is_set():
+                pid = os.fork()
+                if pid == 0:  # exit 1 when this child holds a descriptor of the WRITER file
+                    held = any(os.readlink(f"/proc/self/fd/{fd}").endswith("/WRITER") for fd in os.listdir("/proc/self/fd")
+                               if os.path.islink(f"/proc/self/fd/{fd}"))
+                    os._exit(1 if held else 0)
+                children.append(pid)
+                time.sleep(0.005)
+        thread = threading.Thread(target=forker)
+        thread.start()
+        for _ in range(40):
+            CheckpointManager(root).close()  # a child forked a moment ago may hold a copy: given a moment
+        stop.set()
+        thread.join()
+        codes = [wait_child(pid) for pid in children]
+        print(json.dumps({"children": len(codes), "holding": sum(1 for c in codes if c != 0)}))
+    """)
+    assert out["children"] > 0 and out["holding"] == 0, out
+
+
+def test_in_a_forked_child_waiting_for_the_parents_save_returns_at_once(tmp_path):
+    out = _run(tmp_path, """
+        mgr = CheckpointManager(root)
+        handle = mgr.save(1, {"w": torch.randn(16 << 20)})  # 64 MiB: in flight at the fork
+        pid = os.fork()
+        if pid == 0:
+            mgr.wait()
+            try:
+                handle.wait()
+                os._exit(3)
+            except Exception as exc:
+                os._exit(0 if "forked from" in str(exc) else 4)
+        child = wait_child(pid, timeout=30)
+        handle.wait()
+        mgr.close()
+        print(json.dumps({"child": child}))
+    """)
+    assert out["child"] == 0, out  # it hung (killed: "hung")
+
+
+def test_ctrl_c_with_the_programs_own_sigint_handler_leaves_no_save_that_never_runs(tmp_path):
+    out = _run(tmp_path, """
+        import threading
+        from checkpointing.save import worker
+        def stopping(signum, frame):  # a program's own handler: log, then stop
+            raise KeyboardInterrupt("stopping")
+        signal.signal(signal.SIGINT, stopping)
+        mgr = CheckpointManager(root, keep_local=None)
+        mgr.save(1, state).wait()
+        target = worker.SaveWorker.submit.__code__
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code is target:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)
+        sys.settrace(tracer)
+        try:
+            mgr.save(2, state)
+        except KeyboardInterrupt:
+            pass
+        sys.settrace(None)
+        later = threading.Thread(target=lambda: mgr.save(3, state).wait(), daemon=True)
+        later.start()
+        later.join(60)
+        if later.is_alive():
+            print(json.dumps({"hung": True}))
+            os._exit(0)
+        mgr.close()
+        print(json.dumps({"hung": False, "steps": CheckpointManager(root, read_only=True).steps()}))
+    """)
+    assert out == {"hung": False, "steps": [1, 2, 3]}, out

@@ -766,3 +766,22 @@ def test_the_requests_of_an_upload_do_not_grow_with_the_steps_the_remote_tier_ho
     assert catalog.list_steps(remote).committed == list(range(1, 13))
     assert proxy.count("list_objects_v2") == 1  # every key at once, not a listing per step directory
     assert_remote_whole(remote)
+
+
+def test_a_given_up_uploads_files_are_swept_from_the_remote_tier_by_a_later_upload(tmp_path, s3_bucket):
+    """Step 2's files land on the remote tier and its COMMIT is refused, at every try: once it is given up (tried 1+3
+    times), a later upload's sweep removes them (they stayed for the rest of the run)."""
+    logging.getLogger("checkpointing").setLevel(logging.CRITICAL)
+    try:
+        with manager(tmp_path / "local", s3_bucket, keep_local=2) as mgr:
+            inject(mgr.remote_storage, Fault("put_object", "denied", times=-1, path=f"*{naming.step_dir(2)}/COMMIT"))
+            for step in range(1, 13):
+                try:
+                    mgr.save(step, state(step, n=1 << 10)).wait()
+                except CheckpointUploadError:
+                    pass  # step 2's upload, and its tries again
+    finally:
+        logging.getLogger("checkpointing").setLevel(logging.NOTSET)
+    remote = remote_of(s3_bucket)
+    assert catalog.list_steps(remote).committed == [1] + list(range(3, 13))
+    assert remote.list(naming.step_dir(2)) == []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from checkpointing.errors import CheckpointTimeoutError
+from checkpointing.errors import CheckpointError, CheckpointTimeoutError
 from checkpointing.save.job import SaveJob, Stall, UploadJob
 
 
@@ -47,6 +47,20 @@ class InFlight:
         if job.upload is not None:
             self.uploads.append(job.upload)
         self.current = job
+
+    def forked(self) -> None:
+        """In a child forked from this process (save/live.py): the saves and uploads in flight run in the parent's
+        threads, which are not here; each ends failed here, so that a wait in the child returns at once."""
+        error = CheckpointError("this save runs in the process this one was forked from: it is waited for there")
+        job = self.current
+        if job is not None and not job.outcome.done.is_set():
+            job.outcome.error, job.outcome.error_reported = error, True
+            job.staging.release()
+            job.outcome.done.set()
+        for up in self.uploads:
+            if not up.done.is_set():
+                up.error, up.error_reported = error, True
+                up.done.set()
 
     def steps(self) -> set[int]:
         """The step of a save still in flight (any thread)."""

@@ -165,10 +165,12 @@ def checked_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, i
 
 @contextlib.contextmanager
 def _interrupt_held() -> Iterator[None]:
-    """Ctrl-C (SIGINT's default handler: KeyboardInterrupt) held back while a save is registered and handed to its
-    thread, then raised: between the two, the save would stay registered but never run, and every later save, wait()
-    and close() would wait for it for ever. Only in the main thread (where Python runs signal handlers)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    """SIGINT (Ctrl-C) held back while a save is registered and handed to its thread, then handled: between the two,
+    the KeyboardInterrupt that Python's handler (or a program's own) raises would leave the save registered but never
+    run, and every later save, wait() and close() waiting for it for ever. Only in the main thread (where Python runs
+    signal handlers), and only for a Python handler (a program's SIG_IGN or SIG_DFL raises nothing)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield
         return
     caught: list[tuple[int, Any]] = []
@@ -176,6 +178,6 @@ def _interrupt_held() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, handler)
     if caught:
-        signal.default_int_handler(*caught[0])  # raises KeyboardInterrupt
+        handler(*caught[0])  # Python's raises KeyboardInterrupt

@@ -43,6 +43,11 @@ class PendingUploads:
         with self._lock:
             self.failed.pop(step, None)
 
+    def retrying(self) -> bool:
+        """A failed upload waits to be tried again, or is tried again now: its files may lie on the remote tier."""
+        with self._lock:
+            return bool(self.failed) or any(j.tries > 1 for j in self._jobs)
+
     def take_failed(self, through_seq: int | None = None) -> list[UploadJob]:
         """The failed uploads (those numbered up to `through_seq`), by step; they leave the list."""
         with self._lock:

@@ -293,7 +293,7 @@ class Uploader:
         try:
             retired = collect.apply_retention(self.remote, self.keep_remote, protect=step, in_flight=self.pending.steps(),
                                               sweep=self._litter, where=f"on the remote tier {self.remote.url}")
-            self._litter = False
+            self._litter = self.pending.retrying()  # its files are kept while it may be tried again: swept after
             self.saw_remote(removed=retired)
         except Exception as exc:  # noqa: BLE001 - retried after the next upload; never stop the thread
             log.warning("checkpointing: retention on the remote tier after step %d failed: %s", step, exc)

@@ -25,7 +25,7 @@ from checkpointing.errors import CheckpointError, DirectoryLockedError
 
 LOCK_NAME = "WRITER"
 _HELD: dict[tuple[int, int], "WriterLock"] = {}
-_GUARD = threading.Lock()
+_GUARD = threading.RLock()  # the registry, and no fork while a lock's descriptor is opened or closed
 
 
 class WriterLock:
@@ -35,20 +35,20 @@ class WriterLock:
         self.fd, self.key, self.path, self.count, self.first = fd, key, path, 1, True
 
     def release(self) -> None:
-        with _GUARD:
+        with _GUARD:  # the close too: a fork between the two would leave the child holding the lock
             self.count -= 1
             if self.count > 0 or self.fd < 0:
                 return
             _HELD.pop(self.key, None)
             fd, self.fd = self.fd, -1
-        os.close(fd)  # drops the flock
+            os.close(fd)  # drops the flock
 
 
 def _in_child() -> None:
     """A forked child: the parent's writer locks are not its own. Its copies of their descriptors are closed (never
     unlocked, which would drop the parent's lock too), so a lock goes when its parent exits, whatever children live on."""
     global _GUARD
-    _GUARD = threading.Lock()  # another thread of the parent may have held it at the fork
+    _GUARD = threading.RLock()  # held by the fork itself (below)
     for held in _HELD.values():
         if held.fd >= 0:
             try:
@@ -59,11 +59,16 @@ def _in_child() -> None:
     _HELD.clear()
 
 
-os.register_at_fork(after_in_child=_in_child)
+os.register_at_fork(before=lambda: _GUARD.acquire(), after_in_parent=lambda: _GUARD.release(), after_in_child=_in_child)
 
 
 def acquire(root: Path, *, purpose: str = "a CheckpointManager") -> WriterLock:
     """Take the writer lock of the tier at `root` (DirectoryLockedError naming the holder if taken)."""
+    with _GUARD:  # no fork between the open and the registration: a child would keep the descriptor, and the lock
+        return _acquire(root, purpose)
+
+
+def _acquire(root: Path, purpose: str) -> WriterLock:
     path = root / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
@@ -76,25 +81,48 @@ def acquire(root: Path, *, purpose: str = "a CheckpointManager") -> WriterLock:
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{path} is not a regular file: remove it (it is the checkpoint directory's writer lock)")
         key = (st.st_dev, st.st_ino)
-        with _GUARD:
-            held = _HELD.get(key)
-            if held is not None and held.fd >= 0:  # this process holds it already (another manager here)
-                held.count += 1
-                os.close(fd)
-                return _Shared(held)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                raise DirectoryLockedError(_locked_message(root, _holder(fd), purpose)) from None
-            _describe(fd)
-            lock = _HELD[key] = WriterLock(fd, key, path)
-            return lock
+        held = _HELD.get(key)
+        if held is not None and held.fd >= 0:  # this process holds it already (another manager here)
+            held.count += 1
+            os.close(fd)
+            return _Shared(held)
+        if not _flock(fd):
+            raise DirectoryLockedError(_locked_message(root, _holder(fd), purpose))
+        _describe(fd)
+        lock = _HELD[key] = WriterLock(fd, key, path)
+        return lock
     except BaseException:
         if fd not in [h.fd for h in _HELD.values()]:
             os.close(fd)
         raise
+
+
+def _flock(fd: int) -> bool:
+    """Take the flock without waiting; False when another holds it. When the lock file names this process, which no
+    longer holds it, the holder is a child forked a moment ago that has not closed its copy yet (_in_child): a little
+    while is given to it."""
+    deadline = time.monotonic() + FORKED_CHILD_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() > deadline or not _names_this_process(fd):
+            return False
+        time.sleep(0.005)
+
+
+FORKED_CHILD_S = 2.0  # how long a child forked while this process held the lock may take to let go of it
+
+
+def _names_this_process(fd: int) -> bool:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+        return info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+    except (ValueError, OSError, AttributeError):
+        return False
 
 
 class _Shared(WriterLock):
