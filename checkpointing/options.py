@@ -170,7 +170,7 @@ class ManagerOptions:
             )
         self._check_reverify()
         y = self.background_yield_s
-        if y is not None and (isinstance(y, bool) or not isinstance(y, (int, float)) or not math.isfinite(y) or y <= 0):
+        if y is not None and not _positive(y):
             raise CheckpointConfigError(
                 f"background_yield_s={y!r} is invalid: pass the most seconds a save's background work may yield the CPU "
                 "to the training loop (> 0, default 30), or None to run it at normal priority"
@@ -223,7 +223,7 @@ class ManagerOptions:
                 f"reverify_every={every!r} is invalid: pass a whole number of saves >= 1 (each borrowed chunk is read back "
                 "at least once in that many saves), or None to turn re-verification off"
             )
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        if not _positive(rate):
             raise CheckpointConfigError(f"reverify_bytes_per_s={rate!r} is invalid: pass bytes per second > 0 (default 200e6)")
 
     def _check_observability(self) -> None:
@@ -235,9 +235,9 @@ class ManagerOptions:
             )
         m = self.mtbf_s
         if iv == "auto":
-            if m is None or isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
+            if m is None or isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1e12:  # (a huge int too)
                 raise CheckpointConfigError(
-                    f"interval='auto' needs mtbf_s, the job's mean time between failures in seconds (> 0); got mtbf_s={m!r}. "
+                    f"interval='auto' needs mtbf_s, the job's mean time between failures in seconds (> 0, at most 1e12); got mtbf_s={m!r}. "
                     "Estimate it from your cluster's failure log (24 h = 86400; N nodes failing independently: node MTBF / N)"
                 )
         elif m is not None:
@@ -251,7 +251,7 @@ class ManagerOptions:
         k, rate = self.peer_copies, self.peer_bandwidth
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise CheckpointConfigError(f"peer_copies={k!r} is invalid: pass a whole number >= 0 (0: no peer copies)")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0):
+        if rate is not None and not _positive(rate):
             raise CheckpointConfigError(f"peer_bandwidth={rate!r} is invalid: pass bytes per second > 0, or None for no limit")
         if rate is not None and k == 0:
             raise CheckpointConfigError(f"peer_bandwidth={rate!r} has no effect without peer copies: pass peer_copies >= 1, "
@@ -286,7 +286,7 @@ class ManagerOptions:
                 f"upload_part_bytes={part!r} is invalid: pass an int >= {minimum} (S3 multipart parts are at least 5 MiB)"
             )
         rate = self.upload_bytes_per_s
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+        if rate is not None and not (_positive(rate) or rate == math.inf):  # inf: no limit, as None
             raise CheckpointConfigError(f"upload_bytes_per_s={rate!r} is invalid: pass bytes per second > 0, or None for no limit")
 
 
@@ -325,3 +325,13 @@ class PreemptionOptions:
                 raise CheckpointConfigError(f"signals: {num.name} cannot be caught by any process; handle SIGTERM (or SIGUSR1) instead")
             out.append(num)
         object.__setattr__(self, "signals", tuple(dict.fromkeys(out)))
+
+
+def _positive(x: object) -> bool:
+    """A number of seconds or bytes per second: an int or float > 0 that a float holds (not an int past 1.8e308)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return 0 < float(x) < math.inf
+    except OverflowError:
+        return False

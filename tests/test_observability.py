@@ -186,6 +186,9 @@ def test_a_callback_that_blocks_holds_back_no_line_of_metrics_jsonl(tmp_path, on
     ({"interval": 0}, "interval"), ({"interval": "sometimes"}, "interval"), ({"interval": True}, "interval"),
     ({"interval": "auto"}, "mtbf_s"), ({"interval": "auto", "mtbf_s": -1.0}, "mtbf_s"), ({"mtbf_s": 3600.0}, "mtbf_s"),
     ({"on_metrics": "wandb"}, "on_metrics"),
+    ({"interval": "auto", "mtbf_s": 1e308}, "mtbf_s"), ({"interval": "auto", "mtbf_s": 10**400}, "mtbf_s"),  # inf; past a float
+    ({"background_yield_s": 10**400}, "background_yield_s"), ({"reverify_bytes_per_s": 10**400}, "reverify_bytes_per_s"),
+    ({"upload_bytes_per_s": 10**400, "remote": "memory://bad-options"}, "upload_bytes_per_s"),
 ])
 def test_bad_options_name_the_option(tmp_path, kwargs, option):
     with pytest.raises(CheckpointConfigError, match=option):
