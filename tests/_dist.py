@@ -468,3 +468,22 @@ def manifest_decodes(rank: int, world: int, directory: str, saves: int) -> dict[
     assert_same(full_state(model, opt), full_state(fresh, fresh_opt))
     return {"decoded": decoded[0], "bytes_written": written, "restored": restored,
             "accounts": [(a.step, a.world_size, sorted({f.rank for f in a.files}), len(a.files)) for a in accounts]}
+
+
+def different_steps(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Step 1 commits; then rank 0 saves step 2 while the others save step 3 (a rank that counts its steps otherwise);
+    then every rank saves step 4. The error each rank got for the mismatched save, and the committed steps."""
+    from checkpointing import CheckpointError, CheckpointManager
+
+    x = torch.randn(1 << 12) + rank
+    with CheckpointManager(directory, timeout_s=60, direct_io=False) as mgr:
+        mgr.save(1, {"x": x}).wait()
+        try:
+            mgr.save(2 if rank == 0 else 3, {"x": x + 1}).wait()
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        mgr.save(4, {"x": x + 4}).wait()
+        restored = {"x": torch.zeros_like(x)}
+        step = mgr.restore(restored)
+        return {"error": error, "steps": mgr.steps(), "restored": step, "same": bool(torch.equal(restored["x"], x + 4))}

@@ -245,3 +245,12 @@ def test_a_line_counts_the_keys_it_leaves_out_runs_included():
     line, = problem_lines(problems)
     assert line.endswith(f"and 8 more keys: {why}"), line  # 11 runs named (44 keys), 2 runs of 4 left out
     assert line.count(" keys under x/p") == 11
+
+
+def test_ranks_that_pass_different_steps_commit_nothing_and_every_rank_hears_why(tmp_path):
+    """Rank 0 saves step 2, rank 1 step 3: step 2 was committed naming rank 1's file in step 3's directory, which
+    went when step 3 failed (an unreadable step; rank 0 was told it succeeded)."""
+    results = run_ranks(_dist.different_steps, 2, str(tmp_path / "ck"), tmp=tmp_path)
+    for rank, out in enumerate(results):
+        assert out["error"] is not None and "ranks passed different steps to save(): rank 0 step 2, rank 1 3" in out["error"], (rank, out)
+        assert out["steps"] == [1, 4] and out["restored"] == 4 and out["same"], (rank, out)

@@ -28,6 +28,7 @@ import xxhash
 from checkpointing.errors import ManifestError, MergeError
 from checkpointing.format.decode import decode_manifest
 from checkpointing.format.handoff import handoff
+from checkpointing.format.naming import step_dir
 from checkpointing.format.manifest import (ChunkRef, FileEntry, Manifest, Metrics, ShardEntry, TensorEntry, canonical_json, encode_files,
                                            encode_manifest)
 from checkpointing.format.tiling import check_tiling
@@ -140,6 +141,11 @@ def merge_parts(step: int, parts: list[RankPart], tiers: tuple[str, ...], metric
     the plain-tensor keys whose values differ between ranks. `metrics`: the save's (rank 0's
     save(..., metrics=...): the merging rank's own), recorded in the manifest."""
     world = len(parts)
+    others = {p.rank: p.file.split("/", 1)[0] for p in parts if p.file.split("/", 1)[0] != step_dir(step)}
+    if others:  # its files lie in that step's directory, which goes when that save fails: a step that cannot be read
+        raise MergeError([f"ranks passed different steps to save(): rank 0 step {step}, " + ", ".join(
+            f"rank {r} {d.removeprefix('step-').lstrip('0') or '0'}" for r, d in sorted(others.items())) +
+            " (every rank must save the same step: a rank skipped a save, or counts its steps otherwise)"])
     problems: list[str] = []
     entries: list[_Entry] = []
     index: dict[tuple, int] = {}
