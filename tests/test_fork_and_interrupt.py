@@ -111,6 +111,7 @@ def test_ctrl_c_as_a_save_is_handed_to_its_thread_leaves_no_save_that_never_runs
     out = _run(tmp_path, """
         import threading
         from checkpointing.save import worker
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
         mgr = CheckpointManager(root, keep_local=None)
         mgr.save(1, state).wait()
         target = worker.SaveWorker.submit.__code__

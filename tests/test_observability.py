@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import shutil
 import time
 
 import pytest
@@ -234,11 +235,13 @@ def test_auto_schedule_by_hand():
 
 
 def test_interval_auto_keeps_saving_while_every_upload_fails(tmp_path):
-    """Each step is committed locally while its upload fails (the remote URL lies under a regular
-    file): the loop pays for the saves all the same, so they are measured, and the interval holds."""
-    (tmp_path / "blocked").write_text("a file where the remote tier's directory should be")
+    """Each step is committed locally while its upload fails (the remote URL comes to lie under a regular
+    file once the manager started: refused at start): the loop pays for the saves all the same, so they are
+    measured, and the interval holds."""
     saves, raised = [], 0
     with CheckpointManager(tmp_path / "ck", interval="auto", mtbf_s=0.2, remote=f"file://{tmp_path / 'blocked' / 'r'}") as mgr:
+        shutil.rmtree(tmp_path / "blocked", ignore_errors=True)
+        (tmp_path / "blocked").write_text("a file where the remote tier's directory should be")
         for step in range(1, 3001):
             with mgr.step(step):
                 time.sleep(0.01)
