@@ -13,6 +13,7 @@ own fork handlers.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import weakref
@@ -20,19 +21,16 @@ from typing import Any, Callable
 
 log = logging.getLogger("checkpointing")
 
-_LIVE: dict[int, tuple[weakref.WeakMethod, weakref.WeakMethod]] = {}  # id -> (close, forked) of a manager alive here
+_LIVE: "weakref.WeakKeyDictionary[Any, tuple[Callable, Callable]]" = weakref.WeakKeyDictionary()  # manager -> (close, forked)
 
 
 def track(close: Callable[[], Any], forked: Callable[[], Any]) -> None:
-    """A manager opened here: `close()` at exit, `forked()` in a forked child (bound methods, held weakly)."""
-    key = id(close.__self__)  # type: ignore[attr-defined]
-    _LIVE[key] = (weakref.WeakMethod(close), weakref.WeakMethod(forked))  # type: ignore[arg-type]
-    gone = weakref.finalize(close.__self__, _LIVE.pop, key, None)  # type: ignore[attr-defined]
-    gone.atexit = False  # at exit the managers still alive are closed first (_finish_saves_at_exit)
+    """A manager opened here: `close()` at exit, `forked()` in a forked child (its bound methods; it is held weakly)."""
+    _LIVE[close.__self__] = (close.__func__, forked.__func__)  # type: ignore[attr-defined]
 
 
 def _each(which: int) -> list[Callable[[], Any]]:
-    return [m for m in (pair[which]() for pair in list(_LIVE.values())) if m is not None]
+    return [functools.partial(methods[which], owner) for owner, methods in list(_LIVE.items())]
 
 
 @atexit.register

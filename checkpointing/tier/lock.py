@@ -118,11 +118,8 @@ FORKED_CHILD_S = 2.0  # how long a child forked while this process held the lock
 
 
 def _names_this_process(fd: int) -> bool:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
-        return info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
-    except (ValueError, OSError, AttributeError):
-        return False
+    info = _read_info(fd)
+    return info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
 
 
 class _Shared(WriterLock):
@@ -145,11 +142,20 @@ def _describe(fd: int) -> None:
     os.pwrite(fd, data, 0)
 
 
-def _holder(fd: int) -> str:
+def _read_info(fd: int) -> dict:
+    """What the lock file says of its holder (_describe); {} when it says nothing readable."""
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except (ValueError, OSError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _holder(fd: int) -> str:
+    info = _read_info(fd)
+    try:
         return f"process {int(info['pid'])} on host {str(info['host'])[:100]!r} since {str(info['since'])[:40]}"
-    except (ValueError, KeyError, TypeError, OSError):
+    except (KeyError, TypeError, ValueError):
         return "another process (its lock file does not say which)"
 
 
